@@ -1,0 +1,148 @@
+"""`titan-async`: train, resume, eval and inspect configs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from importlib import resources
+from pathlib import Path
+
+from titan_async import platform
+from titan_async.errors import UserError
+
+DEFAULT_CONFIG = "debug_cpu"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="titan-async", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def config_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--config", help=f"TOML file, or the name of a shipped config (default: {DEFAULT_CONFIG})")
+        p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one config key")
+
+    def launch_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--nproc-per-node", type=int, help="local worker processes (torch elastic launcher)")
+        p.add_argument("--verbose", action="store_true", help="show torchtitan's log on the console")
+
+    train = commands.add_parser("train", help="start a training run")
+    config_args(train)
+    launch_args(train)
+    train.add_argument("--run-dir", type=Path, help="where the run lives (default: a new directory under runs/)")
+    train.add_argument("--overwrite", action="store_true", help="discard checkpoints already in --run-dir")
+
+    resume = commands.add_parser("resume", help="continue a run from its latest complete checkpoint")
+    resume.add_argument("--run-dir", type=Path, required=True)
+    resume.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one config key")
+    launch_args(resume)
+
+    evaluate = commands.add_parser("eval", help="validation loss and a sample from a checkpoint")
+    evaluate.add_argument("--checkpoint", type=Path, required=True, help="a checkpoint directory (RUN/checkpoint/step-N)")
+    evaluate.add_argument("--json", action="store_true", help="print one JSON object")
+    evaluate.add_argument("--prompt", default="def main():", help="prompt for the greedy continuation")
+    evaluate.add_argument("--max-new-tokens", type=int, default=32)
+
+    config = commands.add_parser("config", help="inspect configs")
+    config_commands = config.add_subparsers(dest="config_command", required=True)
+    config_args(config_commands.add_parser("show", help="print the resolved config"))
+    return parser
+
+
+def _shipped_configs() -> Path:
+    """train_configs/ of a source checkout, or its copy installed inside the package."""
+    checkout = Path(__file__).resolve().parent.parent / "train_configs"
+    return checkout if checkout.is_dir() else Path(str(resources.files("titan_async") / "train_configs"))
+
+
+def _config_path(name: str | None) -> Path:
+    """A TOML path, or the shipped config of that name."""
+    name = name or DEFAULT_CONFIG
+    path = Path(name)
+    if path.suffix == ".toml" or path.exists():
+        return path
+    shipped = _shipped_configs() / f"{name}.toml"
+    if not shipped.is_file():
+        raise UserError(f"--config {name}: no such file, and no shipped config of that name")
+    return shipped
+
+
+def _train(args) -> int:
+    from titan_async import launch, run_dir as runs
+    from titan_async.config.assemble import trainer_config
+    from titan_async.config.run_config import load_run_config, render_toml
+
+    path = _config_path(args.config)
+    run = load_run_config(path, args.set)
+    nproc = args.nproc_per_node or 1
+    run.check(launch.world_size(nproc))
+    directory = args.run_dir or runs.new_run_dir(path.stem)
+    runs.claim(directory, args.overwrite)
+    trainer_config(run, directory)
+    runs.save_launch(directory, render_toml(run), nproc)
+    print(f"run directory: {directory}", flush=True)
+    return _launch(directory, nproc, args.verbose)
+
+
+def _resume(args) -> int:
+    from titan_async import launch, run_dir as runs
+    from titan_async.config.assemble import trainer_config
+    from titan_async.config.run_config import load_run_config, render_toml
+
+    settings = runs.load_launch(args.run_dir)
+    checkpoints = runs.complete_checkpoints(args.run_dir)
+    if not checkpoints:
+        raise UserError(f"--run-dir {args.run_dir}: no complete checkpoint to resume from (checkpoint/step-N/.metadata)")
+    nproc = args.nproc_per_node or settings["nproc_per_node"]
+    run = load_run_config(args.run_dir / "config.toml", args.set)
+    run.check(launch.world_size(nproc))
+    trainer_config(run, args.run_dir)
+    runs.save_launch(args.run_dir, render_toml(run), nproc)
+    (args.run_dir / "stopped.json").unlink(missing_ok=True)
+    print(f"resuming {args.run_dir} from {checkpoints[-1].name}", flush=True)
+    return _launch(args.run_dir, nproc, args.verbose)
+
+
+def _launch(directory: Path, nproc: int, verbose: bool) -> int:
+    from titan_async import launch, run_dir as runs
+
+    status = launch.run(directory, nproc, verbose)
+    step = runs.stopped_step(directory)
+    if step is not None:
+        print(f"stopped at step {step} with a checkpoint; continue with: titan-async resume --run-dir {directory}")
+        return 130
+    return status
+
+
+def _eval(args) -> int:
+    from titan_async.evaluate import evaluate_checkpoint
+
+    return evaluate_checkpoint(args.checkpoint, as_json=args.json, prompt=args.prompt, max_new_tokens=args.max_new_tokens)
+
+
+def _config_show(args) -> int:
+    from rich.console import Console
+    from rich.syntax import Syntax
+
+    from titan_async.config.run_config import load_run_config, render_toml
+
+    text = render_toml(load_run_config(_config_path(args.config), args.set))
+    Console().print(Syntax(text, "toml", theme="ansi_dark")) if sys.stdout.isatty() else print(text, end="")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.ERROR)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    platform.configure()
+    handlers = {"train": _train, "resume": _resume, "eval": _eval, "config": _config_show}
+    try:
+        sys.exit(handlers[args.command](args))
+    except UserError as err:
+        print(f"titan-async: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

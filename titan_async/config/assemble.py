@@ -1,0 +1,57 @@
+"""Turn a RunConfig into torchtitan's Trainer config for one run directory."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from torchtitan.components.loss import CrossEntropyLoss
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+
+from titan_async.config.run_config import RunConfig
+from titan_async.data.sources import prepare
+from titan_async.errors import UserError
+from titan_async.model import build_model_spec
+from titan_async.trainer import AsyncTrainer
+
+_ACTIVATION_CHECKPOINTS = {"none": None, "selective": SelectiveAC.Config, "full": FullAC.Config}
+
+
+def tokenizer_vocab_size(tokenizer_dir: Path) -> int:
+    return HuggingFaceTokenizer.Config().build(tokenizer_path=str(tokenizer_dir)).get_vocab_size()
+
+
+def trainer_config(run: RunConfig, run_dir: Path) -> AsyncTrainer.Config:
+    """The AsyncTrainer config that trains `run` with its outputs under `run_dir`."""
+    data = prepare(run.data, need_validation=run.validation.enable)
+    try:
+        model_spec = build_model_spec(run.model, tokenizer_vocab_size(data.tokenizer_dir))
+    except ValueError as err:
+        raise UserError(f"{run.source}: {err}") from None
+    validator = dataclasses.replace(
+        run.validation, dataloader=HuggingFaceTextDataLoader.Config(dataset=data.validation_dataset, infinite=False)
+    )
+    activation_checkpoint = _ACTIVATION_CHECKPOINTS[run.activation_checkpoint.mode]
+    try:
+        return AsyncTrainer.Config(
+            model_spec=model_spec,
+            hf_assets_path=str(data.tokenizer_dir),
+            dump_folder=str(run_dir),
+            loss=CrossEntropyLoss.Config(global_vocab_size=model_spec.model.vocab_size),
+            dataloader=HuggingFaceTextDataLoader.Config(dataset=data.train_dataset),
+            validator=validator,
+            optimizer=run.optimizer.container_config(),
+            lr_scheduler=run.lr_scheduler,
+            training=run.training,
+            parallelism=run.parallelism,
+            checkpoint=run.checkpoint,
+            metrics=run.metrics,
+            activation_checkpoint=activation_checkpoint() if activation_checkpoint else None,
+            compile=run.compile,
+            debug=run.debug,
+            comm=run.comm,
+        )
+    except ValueError as err:
+        raise UserError(f"{run.source}: {err}") from None

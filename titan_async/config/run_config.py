@@ -1,0 +1,211 @@
+"""A run's configuration: the TOML sections, checked, and their TOML rendering."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from torchtitan.components.checkpointer import CheckpointManager
+from torchtitan.components.optimizer import LRSchedulersContainer
+from torchtitan.config.configs import CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
+
+from titan_async import platform
+from titan_async.config.fields import closest, coerce, describe, settable_fields, type_name
+from titan_async.data.sources import DataSection
+from titan_async.errors import UserError
+from titan_async.model import ModelSection
+from titan_async.optimizer import OptimizerSection
+from titan_async.progress import RunMetrics, RunValidator
+
+
+@dataclass(kw_only=True, slots=True)
+class ActivationCheckpointSection:
+    """Recomputation of activations in the backward pass."""
+
+    mode: Literal["none", "selective", "full"] = "selective"
+    """none: keep all activations; selective: torchtitan's per-op policy; full: recompute each block."""
+
+
+def _default_sections() -> dict[str, Any]:
+    """Section name -> default section object, before the user's values."""
+    return {
+        "model": ModelSection(),
+        "data": DataSection(),
+        "training": TrainingConfig(disable_cuda_graphs=platform.is_cpu()),
+        "parallelism": ParallelismConfig(),
+        "optimizer": OptimizerSection(),
+        "lr_scheduler": LRSchedulersContainer.Config(),
+        "checkpoint": CheckpointManager.Config(enable=True, last_save_model_only=False, initial_load_model_only=False),
+        "metrics": RunMetrics.Config(log_freq=1, enable_tensorboard=True),
+        "validation": RunValidator.Config(enable=True, freq=100, steps=20),
+        "activation_checkpoint": ActivationCheckpointSection(),
+        "compile": CompileConfig(),
+        "debug": DebugConfig(seed=0),
+        "comm": CommConfig(),
+    }
+
+
+SECTION_NAMES = tuple(_default_sections())
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    """Every section of a run, after the user's TOML and --set overrides."""
+
+    model: ModelSection
+    data: DataSection
+    training: TrainingConfig
+    parallelism: ParallelismConfig
+    optimizer: OptimizerSection
+    lr_scheduler: LRSchedulersContainer.Config
+    checkpoint: CheckpointManager.Config
+    metrics: RunMetrics.Config
+    validation: RunValidator.Config
+    activation_checkpoint: ActivationCheckpointSection
+    compile: CompileConfig
+    debug: DebugConfig
+    comm: CommConfig
+    source: str = field(default="<defaults>")
+
+    def sections(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in SECTION_NAMES}
+
+    def microbatches(self) -> int:
+        """Pipeline microbatches per local batch (1 without pipeline parallelism)."""
+        if self.parallelism.pipeline_parallel_degree == 1:
+            return 1
+        return self.training.local_batch_size // self.parallelism.pipeline_parallel_microbatch_size
+
+    def data_parallel_degree(self, world_size: int) -> int:
+        """Data-parallel ranks (shard x replicate) when `world_size` processes run the job."""
+        p = self.parallelism
+        shard = p.data_parallel_shard_degree
+        if shard == -1:
+            shard = world_size // (
+                p.pipeline_parallel_degree * p.tensor_parallel_degree * p.context_parallel_degree * p.data_parallel_replicate_degree
+            )
+        return shard * p.data_parallel_replicate_degree
+
+    def check(self, world_size: int) -> None:
+        """Raise UserError for settings that cannot work together on `world_size` processes."""
+        p, t = self.parallelism, self.training
+        degrees = {
+            "pipeline_parallel_degree": p.pipeline_parallel_degree,
+            "tensor_parallel_degree": p.tensor_parallel_degree,
+            "context_parallel_degree": p.context_parallel_degree,
+            "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
+        }
+        if p.data_parallel_shard_degree != -1:
+            degrees["data_parallel_shard_degree"] = p.data_parallel_shard_degree
+        product = 1
+        for value in degrees.values():
+            product *= value
+        fits = product == world_size if p.data_parallel_shard_degree != -1 else world_size % product == 0
+        if not fits:
+            named = " x ".join(f"parallelism.{k} ({v})" for k, v in degrees.items() if v != 1) or "the parallel degrees (1)"
+            raise UserError(
+                f"{self.source}: {named} = {product}, but {world_size} process(es) run this job "
+                "(set --nproc-per-node, or change the degrees so their product is the number of processes)"
+            )
+        if p.pipeline_parallel_degree > 1:
+            if t.local_batch_size % p.pipeline_parallel_microbatch_size:
+                raise UserError(
+                    f"{self.source}: training.local_batch_size ({t.local_batch_size}) is not divisible into "
+                    f"microbatches of parallelism.pipeline_parallel_microbatch_size ({p.pipeline_parallel_microbatch_size})"
+                )
+        dp = self.data_parallel_degree(world_size)
+        if t.global_batch_size > 0 and t.global_batch_size % (t.local_batch_size * dp):
+            raise UserError(
+                f"{self.source}: training.global_batch_size ({t.global_batch_size}) must be a multiple of "
+                f"training.local_batch_size x data-parallel degree ({t.local_batch_size} x {dp})"
+            )
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """The parsed TOML file; UserError if missing or malformed (with line and column)."""
+    if not path.is_file():
+        raise UserError(f"{path}: config file not found")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise UserError(f"{path}: TOML syntax error: {err}") from None
+
+
+def apply_set(document: dict[str, Any], assignment: str) -> None:
+    """Apply one `--set section.key=value` (value in TOML syntax; bare words are strings)."""
+    key, sep, raw = assignment.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) != 2 or not all(parts):
+        raise UserError(f"--set {assignment!r}: expected section.key=value, e.g. training.steps=50")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    document.setdefault(parts[0], {})[parts[1]] = value
+
+
+def _section(name: str, default: Any, values: Any, source: str) -> Any:
+    where = f"{source}: [{name}]"
+    if not isinstance(values, dict):
+        raise UserError(f"{source}: {name} must be a table [{name}], got a {type_name(values)}")
+    allowed = settable_fields(type(default))
+    updates = {}
+    for key, value in values.items():
+        if key not in allowed:
+            raise UserError(f"{where}: unknown key {key!r}{closest(key, allowed)}")
+        ok, converted = coerce(value, allowed[key])
+        if not ok:
+            raise UserError(
+                f"{source}: {name}.{key}: expected {describe(allowed[key])}, got {type_name(value)} {json.dumps(value)}"
+            )
+        updates[key] = converted
+    try:
+        return dataclasses.replace(default, **updates)
+    except (ValueError, AssertionError) as err:
+        raise UserError(f"{where}: {err}") from None
+
+
+def build_run_config(document: dict[str, Any], source: str) -> RunConfig:
+    """Check `document` against the sections and return the resolved RunConfig."""
+    defaults = _default_sections()
+    for name in document:
+        if name not in defaults:
+            raise UserError(f"{source}: unknown section [{name}]{closest(name, defaults)}")
+    if document.get("parallelism", {}).get("pipeline_parallel_degree", 1) != 1:
+        # CUDA graphs cannot capture a pipeline schedule.
+        defaults["training"] = dataclasses.replace(defaults["training"], disable_cuda_graphs=True)
+    sections = {name: _section(name, default, document.get(name, {}), source) for name, default in defaults.items()}
+    return RunConfig(source=source, **sections)
+
+
+def load_run_config(path: Path, assignments: list[str] = ()) -> RunConfig:
+    """Read a TOML config, apply `--set` assignments, and check it."""
+    document = read_toml(path)
+    for assignment in assignments:
+        apply_set(document, assignment)
+    return build_run_config(document, str(path))
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+
+
+def render_toml(config: RunConfig) -> str:
+    """Every settable key of every section as TOML; unset optional keys are commented out."""
+    lines = [f"# resolved from {config.source}"]
+    for name, section in config.sections().items():
+        lines.append(f"\n[{name}]")
+        for key in settable_fields(type(section)):
+            value = getattr(section, key)
+            lines.append(f"# {key} = (unset)" if value is None else f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"

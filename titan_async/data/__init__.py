@@ -1,0 +1,1 @@
+"""Training and validation data sources."""

@@ -1,0 +1,131 @@
+"""The `[data]` section: where training text and the tokenizer come from.
+
+Each source is registered in torchtitan's dataset registry, so torchtitan's own
+HF text data loader (packing, per-document positions, exact resume) reads it.
+"""
+
+from __future__ import annotations
+
+import glob
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
+from titan_async.errors import UserError
+
+_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+
+
+@dataclass(kw_only=True, slots=True)
+class DataSection:
+    """Training and validation text, and the tokenizer."""
+
+    source: Literal["stdlib", "files", "hf"] = "stdlib"
+    """stdlib: a corpus built offline from Python's standard library; files: local
+    jsonl/json/parquet/txt files; hf: a Hugging Face data set, streamed."""
+    path: str = ""
+    """files: a file, directory or glob of training files; hf: the data set id (e.g. allenai/c4)."""
+    validation_path: str = ""
+    """files: a file, directory or glob of held-out files (needed when validation is on)."""
+    hf_subset: str = ""
+    """hf: the data set's configuration name (e.g. en), if it has several."""
+    train_split: str = "train"
+    """hf: split to train on."""
+    validation_split: str = "validation"
+    """hf: split to validate on."""
+    text_field: str = "text"
+    """Field that holds each document's text (txt files: one document per line)."""
+    tokenizer: str = ""
+    """Directory with tokenizer.json (and tokenizer_config.json); empty: the built-in
+    byte-level BPE trained on the stdlib corpus."""
+    vocab_size: int = 2048
+    """Vocabulary size of the built-in tokenizer."""
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """Names registered in torchtitan's DATASETS and the tokenizer directory."""
+
+    train_dataset: str
+    validation_dataset: str
+    tokenizer_dir: Path
+
+
+def _files(pattern: str, key: str) -> tuple[str, list[str]]:
+    """The loader builder name and the sorted files that `pattern` names."""
+    path = Path(pattern).expanduser()
+    if path.is_dir():
+        files = sorted(str(p) for p in path.rglob("*") if p.suffix in _FILE_BUILDERS)
+    else:
+        files = sorted(glob.glob(str(path)))
+    if not files:
+        raise UserError(f"{key} = {pattern!r}: no jsonl/json/parquet/txt files found there")
+    suffixes = {Path(f).suffix for f in files}
+    if len(suffixes) != 1 or not suffixes <= _FILE_BUILDERS.keys():
+        raise UserError(
+            f"{key} = {pattern!r}: expected files of one type among {sorted(_FILE_BUILDERS)}, found {sorted(suffixes)}"
+        )
+    return _FILE_BUILDERS[suffixes.pop()], files
+
+
+def _load_files(path: str, builder: str, files: list[str]):
+    from datasets import load_dataset
+
+    return load_dataset(builder, data_files=files, split="train")
+
+
+def _load_hf(path: str, subset: str, split: str):
+    from datasets import load_dataset
+
+    return load_dataset(path, name=subset or None, split=split, streaming=True)
+
+
+def _register(name: str, path: str, loader, text_field: str) -> str:
+    from torchtitan.hf_datasets import DatasetConfig
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    DATASETS[name] = DatasetConfig(path=path, loader=loader, sample_processor=lambda s: s[text_field])
+    return name
+
+
+def _tokenizer_dir(data: DataSection, builtin: Path | None) -> Path:
+    if not data.tokenizer:
+        if builtin is None:
+            from titan_async.data.stdlib_corpus import ensure_corpus
+
+            builtin = ensure_corpus(vocab_size=data.vocab_size).tokenizer_dir
+        return builtin
+    directory = Path(data.tokenizer).expanduser()
+    if not (directory / "tokenizer.json").is_file():
+        raise UserError(f"data.tokenizer = {data.tokenizer!r}: expected a directory containing tokenizer.json")
+    return directory
+
+
+def prepare(data: DataSection, need_validation: bool) -> PreparedData:
+    """Register the data sets `data` describes (building the stdlib corpus if needed)."""
+    if data.source == "stdlib":
+        from titan_async.data.stdlib_corpus import ensure_corpus, register_datasets
+
+        files = ensure_corpus(vocab_size=data.vocab_size)
+        train, validation = register_datasets(files)
+        return PreparedData(train, validation, _tokenizer_dir(data, files.tokenizer_dir))
+    if not data.path:
+        raise UserError(f"data.path is required when data.source = {data.source!r}")
+    if data.source == "files":
+        builder, files = _files(data.path, "data.path")
+        train = _register("files", data.path, partial(_load_files, builder=builder, files=files), data.text_field)
+        validation = ""
+        if need_validation:
+            if not data.validation_path:
+                raise UserError("data.validation_path is required when validation.enable = true and data.source = 'files'")
+            builder, files = _files(data.validation_path, "data.validation_path")
+            validation = _register(
+                "files_validation", data.validation_path, partial(_load_files, builder=builder, files=files), data.text_field
+            )
+        return PreparedData(train, validation, _tokenizer_dir(data, None))
+    train = _register("hf", data.path, partial(_load_hf, subset=data.hf_subset, split=data.train_split), data.text_field)
+    validation = _register(
+        "hf_validation", data.path, partial(_load_hf, subset=data.hf_subset, split=data.validation_split), data.text_field
+    )
+    return PreparedData(train, validation, _tokenizer_dir(data, None))

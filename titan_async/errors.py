@@ -1,0 +1,5 @@
+"""Errors that reach the user as one line, without a traceback."""
+
+
+class UserError(Exception):
+    """Bad input from the user: the CLI prints `titan-async: <message>` and exits 2."""

@@ -1,0 +1,135 @@
+"""The `[model]` section: a Llama-3-style decoder built from named presets plus overrides."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+from torchtitan.models.llama3 import (
+    Llama3StateDictAdapter,
+    _build_llama3_layers,
+    _EMBEDDING_INIT,
+    _EMBEDDING_SKIP_INIT,
+    _NORM_INIT,
+    _output_linear_init,
+    parallelize_llama,
+)
+from torchtitan.distributed.pipeline_parallel import pipeline_llm
+from torchtitan.models.common.attention import VarlenAttention
+from torchtitan.models.llama3.model import Llama3Model
+from torchtitan.protocols.model_spec import ModelSpec
+
+from titan_async import platform
+from titan_async.attention import DenseDocumentAttention
+
+# Sizes of torchtitan's llama3 flavors; "vocab_size" 0 means "the tokenizer's".
+PRESETS: dict[str, dict[str, object]] = {
+    "debugmodel": dict(dim=256, n_layers=6, n_heads=16, n_kv_heads=0, multiple_of=256, ffn_dim_multiplier=0.0, vocab_size=0, weight_tying=False),
+    "1B": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, multiple_of=1024, ffn_dim_multiplier=1.5, vocab_size=128256, weight_tying=True),
+    "3B": dict(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, multiple_of=1024, ffn_dim_multiplier=1.0, vocab_size=128256, weight_tying=True),
+    "8B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, multiple_of=1024, ffn_dim_multiplier=1.3, vocab_size=128256, weight_tying=False),
+    "70B": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, multiple_of=4096, ffn_dim_multiplier=1.3, vocab_size=128256, weight_tying=False),
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelSection:
+    """Model shape. Fields left at -1 take the preset's value."""
+
+    preset: str = "debugmodel"
+    """Starting sizes: one of debugmodel, 1B, 3B, 8B, 70B (torchtitan's llama3 flavors)."""
+    dim: int = -1
+    """Hidden size."""
+    n_layers: int = -1
+    """Number of transformer blocks."""
+    n_heads: int = -1
+    """Attention heads."""
+    n_kv_heads: int = -1
+    """Key/value heads for grouped-query attention; 0 means n_heads."""
+    multiple_of: int = -1
+    """The SwiGLU hidden size is rounded up to a multiple of this."""
+    ffn_dim_multiplier: float = -1.0
+    """Scale of the SwiGLU hidden size; 0 means none."""
+    vocab_size: int = -1
+    """Vocabulary size; 0 means the tokenizer's size."""
+    weight_tying: Literal["preset", "yes", "no"] = "preset"
+    """Tie the output head to the embedding (not possible with pipeline parallelism)."""
+    rope_theta: float = 500000.0
+    """RoPE base frequency."""
+    attention: Literal["auto", "flex", "varlen", "dense"] = "auto"
+    """auto: FlexAttention on CUDA, dense per-document SDPA on CPU (which has no Flex backward)."""
+
+    def resolved(self, tokenizer_vocab_size: int) -> dict[str, object]:
+        """All sizes after applying the preset and the tokenizer's vocabulary."""
+        if self.preset not in PRESETS:
+            raise ValueError(f"model.preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
+        sizes = dict(PRESETS[self.preset])
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in sizes and value not in (-1, "preset"):
+                sizes[f.name] = value == "yes" if f.name == "weight_tying" else value
+        if sizes["vocab_size"] == 0:
+            sizes["vocab_size"] = tokenizer_vocab_size
+        if sizes["n_kv_heads"] == 0:
+            sizes["n_kv_heads"] = sizes["n_heads"]
+        return sizes
+
+
+def _inner_attention_backend(choice: str) -> str:
+    if choice == "auto":
+        return "dense" if platform.is_cpu() else "flex"
+    return choice
+
+
+def build_model_spec(section: ModelSection, tokenizer_vocab_size: int) -> ModelSpec:
+    """A torchtitan ModelSpec for the llama3 model that `section` describes."""
+    s = section.resolved(tokenizer_vocab_size)
+    dim, n_heads, vocab = s["dim"], s["n_heads"], s["vocab_size"]
+    if dim % n_heads:
+        raise ValueError(f"model.dim ({dim}) must be divisible by model.n_heads ({n_heads})")
+    if n_heads % s["n_kv_heads"]:
+        raise ValueError(f"model.n_heads ({n_heads}) must be divisible by model.n_kv_heads ({s['n_kv_heads']})")
+    backend = _inner_attention_backend(section.attention)
+    layers = _build_llama3_layers(
+        fuse_qkv=True,
+        n_layers=s["n_layers"],
+        dim=dim,
+        n_heads=n_heads,
+        n_kv_heads=s["n_kv_heads"],
+        hidden_dim=compute_ffn_hidden_dim(
+            dim,
+            multiple_of=s["multiple_of"],
+            ffn_dim_multiplier=s["ffn_dim_multiplier"] or None,
+        ),
+        rope=ComplexRoPE.Config(
+            dim=dim // n_heads, max_seq_len=131072, theta=section.rope_theta, scaling="llama"
+        ),
+        attn_backend="varlen" if backend == "dense" else backend,
+    )
+    config = Llama3Model.Config(
+        dim=dim,
+        vocab_size=vocab,
+        enable_weight_tying=s["weight_tying"],
+        tok_embeddings=Embedding.Config(
+            num_embeddings=vocab,
+            embedding_dim=dim,
+            param_init=_EMBEDDING_SKIP_INIT if s["weight_tying"] else _EMBEDDING_INIT,
+        ),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_output_linear_init(dim)),
+        layers=layers,
+    )
+    if backend == "dense":
+        for _, _, parent, attr in list(config.traverse(VarlenAttention.Config)):
+            setattr(parent, attr, DenseDocumentAttention.Config())
+    return ModelSpec(
+        name="llama3",
+        flavor=section.preset,
+        model=config,
+        parallelize_fn=parallelize_llama,
+        pipelining_fn=pipeline_llm,
+        post_optimizer_build_fn=None,
+        state_dict_adapter=Llama3StateDictAdapter,
+    )
+

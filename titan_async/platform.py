@@ -1,0 +1,135 @@
+"""The one place where titan-async adapts torchtitan to the machine it runs on.
+
+On a machine with a CUDA device nothing is changed: torchtitan's own defaults
+(FlexAttention, NCCL) stay. On a machine without one, `configure()` must run
+before torchtitan is first imported; it makes torchtitan pick device type "cpu"
+(and so the gloo backend) and closes the gaps torch 2.15 still has on CPU:
+memory statistics, a string-valued `current_device()`, and the PREMUL_SUM
+reduce-scatter that gloo rejects. The attention swap for CPU lives in
+`titan_async.model` and asks `is_cpu()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import sys
+import warnings
+from types import SimpleNamespace
+
+import torch
+
+_device_type: str | None = None
+
+
+def configure() -> str:
+    """Select and return the device type ("cuda" or "cpu"); idempotent.
+
+    Raises RuntimeError if torchtitan was imported first on a CPU-only machine,
+    because torchtitan caches the device type at import time.
+    """
+    global _device_type
+    if _device_type is not None:
+        return _device_type
+    if torch.cuda.is_available():
+        _device_type = "cuda"
+        return _device_type
+    if "torchtitan.tools.utils" in sys.modules:
+        raise RuntimeError(
+            "titan_async.platform.configure() must run before torchtitan is imported"
+        )
+    torch._utils._get_available_device_type = lambda: "cpu"
+    _add_cpu_memory_stats()
+    _patch_fsdp_premul_sum()
+    _quiet_cpu_warnings()
+    torch.set_num_threads(_cpu_threads())
+    _device_type = "cpu"
+    return _device_type
+
+
+def is_cpu() -> bool:
+    """True once `configure()` chose the CPU."""
+    return configure() == "cpu"
+
+
+def _cpu_threads() -> int:
+    """Intra-op threads per process: the cores shared by the local workers."""
+    local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, (os.cpu_count() or 1) // local_workers)
+
+
+class _ResidentMemory:
+    """Process resident memory, standing in for the CUDA allocator statistics."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+
+    @staticmethod
+    def current() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+
+    def stats(self, device=None) -> dict[str, int]:
+        now = self.current()
+        self.peak = max(self.peak, now)
+        return {
+            "active_bytes.all.peak": self.peak,
+            "reserved_bytes.all.peak": self.peak,
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
+        }
+
+    def reset_peak(self, device=None) -> None:
+        self.peak = self.current()
+
+
+def _add_cpu_memory_stats() -> None:
+    """Give `torch.cpu` the memory functions torchtitan's monitor calls."""
+    memory = _ResidentMemory()
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cpu = torch.cpu
+    cpu.get_device_name = lambda device=None: "cpu"
+    cpu.get_device_properties = lambda device=None: SimpleNamespace(
+        total_memory=total, name="cpu"
+    )
+    cpu.memory_stats = memory.stats
+    cpu.reset_peak_memory_stats = memory.reset_peak
+    cpu.empty_cache = lambda: None
+    cpu.current_device = lambda: 0
+
+
+class DropMessages(logging.Filter):
+    """Drops log records that contain any of the given fragments."""
+
+    def __init__(self, *fragments: str) -> None:
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(fragment in message for fragment in self.fragments)
+
+
+def _quiet_cpu_warnings() -> None:
+    """Silence warnings that only say the machine has no GPU."""
+    logging.getLogger().addFilter(DropMessages("lspci", "Peak flops undefined"))
+    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support on cpu")
+
+
+def _patch_fsdp_premul_sum() -> None:
+    """Make FSDP2 reduce-scatter with SUM and divide afterwards.
+
+    FSDP2 otherwise uses PREMUL_SUM(1/factor), which gloo rejects; SUM followed
+    by the same division is equivalent (torchtitan's factor is 1).
+    """
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+
+    original = collectives._get_gradient_divide_factors
+
+    def sum_reduction_factors(*args, **kwargs):
+        args = args[:5]
+        kwargs["force_sum_reduction_for_comms"] = True
+        return original(*args, **kwargs)
+
+    collectives._get_gradient_divide_factors = sum_reduction_factors

@@ -1,0 +1,163 @@
+"""What a run shows and records: a live display (or plain lines), metrics.jsonl, a summary.
+
+`RunMetrics` is torchtitan's MetricsProcessor with its metric logger wrapped, so
+every scalar torchtitan sends to TensorBoard also reaches the display and the
+run directory's metrics.jsonl, on the rank that holds the loss.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+from torchtitan.components.metrics import BaseLogger, MetricsProcessor, _get_metrics_rank
+from torchtitan.components.validate import Validator
+
+LOSS = "loss_metrics/global_avg_loss"
+VALIDATION_LOSS = "validation_metrics/loss"
+TOKENS_PER_SECOND = "throughput(tps)"
+MEMORY = "memory/max_reserved(GiB)"
+
+
+class ProgressDisplay:
+    """Step, loss, tokens/s, ETA and memory: a live table on a terminal, else one line a step."""
+
+    def __init__(self, total_steps: int, live: bool) -> None:
+        self.total_steps = total_steps
+        self.console = Console(file=sys.stdout)
+        self.started = time.perf_counter()
+        self.first_step: int | None = None
+        self.rows: dict[str, str] = {}
+        self.history: dict[str, float] = {}
+        self.live = Live(self._table(), console=self.console, refresh_per_second=4) if live else None
+        if self.live:
+            self.live.start()
+
+    def _eta(self, step: int) -> str:
+        if self.first_step is None or step <= self.first_step:
+            return "-"
+        per_step = (time.perf_counter() - self.started) / (step - self.first_step)
+        seconds = int(per_step * (self.total_steps - step))
+        return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+    def _table(self) -> Table:
+        table = Table(title="titan-async", show_header=False)
+        for key, value in self.rows.items():
+            table.add_row(key, value)
+        return table
+
+    def train_step(self, step: int, metrics: dict[str, Any]) -> None:
+        if self.first_step is None:
+            self.first_step, self.started = step, time.perf_counter()
+        lr = next((v for k, v in metrics.items() if k.startswith("lr")), None)
+        self.rows.update(
+            step=f"{step}/{self.total_steps}",
+            loss=f"{metrics[LOSS]:.4f}",
+            lr="-" if lr is None else f"{lr:.2e}",
+            grad_norm=f"{metrics.get('grad_norm', float('nan')):.3f}",
+            tokens_per_s=f"{metrics.get(TOKENS_PER_SECOND, 0):,.0f}",
+            memory=f"{metrics.get(MEMORY, 0):.2f} GiB",
+            eta=self._eta(step),
+        )
+        self.history.setdefault("first_loss", metrics[LOSS])
+        self.history["last_loss"] = metrics[LOSS]
+        self.history["peak_memory_gib"] = max(self.history.get("peak_memory_gib", 0), metrics.get(MEMORY, 0))
+        self._show(" | ".join(f"{k} {v}" for k, v in self.rows.items() if k != "validation_loss"))
+
+    def validation(self, step: int, loss: float) -> None:
+        self.rows["validation_loss"] = f"{loss:.4f} (step {step})"
+        self.history.setdefault("first_validation_loss", loss)
+        self.history["last_validation_loss"] = loss
+        self._show(f"validation step {step} | loss {loss:.4f}")
+
+    def _show(self, line: str) -> None:
+        if self.live:
+            self.live.update(self._table())
+        else:
+            print(line, flush=True)
+
+    def close(self, last_step: int, tokens: int) -> None:
+        if self.live:
+            self.live.stop()
+        elapsed = time.perf_counter() - self.started
+        summary = Table(title="run summary")
+        summary.add_column("metric")
+        summary.add_column("value", justify="right")
+        summary.add_row("last step", str(last_step))
+        for key, value in self.history.items():
+            summary.add_row(key.replace("_", " "), f"{value:.4f}")
+        summary.add_row("tokens seen", f"{tokens:,}")
+        summary.add_row("wall time (s)", f"{elapsed:.1f}")
+        self.console.print(summary)
+
+
+class _TeeLogger(BaseLogger):
+    """Forwards scalars to torchtitan's loggers, metrics.jsonl and the display."""
+
+    def __init__(self, inner: BaseLogger, path: Path) -> None:
+        self.inner = inner
+        self.path = path
+        self.display: ProgressDisplay | None = None
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.inner.log(metrics, step)
+        kind = "validation" if VALIDATION_LOSS in metrics else "train"
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, "kind": kind, **metrics}) + "\n")
+        if self.display is None:
+            return
+        if kind == "validation":
+            self.display.validation(step, metrics[VALIDATION_LOSS])
+        else:
+            self.display.train_step(step, metrics)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class RunMetrics(MetricsProcessor):
+    """MetricsProcessor that also feeds the progress display and metrics.jsonl."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MetricsProcessor.Config):
+        pass
+
+    def __init__(self, config: Config, *, parallel_dims, dump_folder: str = "./outputs", pp_schedule: str = "1F1B", **kwargs):
+        super().__init__(config, parallel_dims=parallel_dims, dump_folder=dump_folder, pp_schedule=pp_schedule, **kwargs)
+        import torch.distributed as dist
+
+        self.is_reporting_rank = dist.get_rank() == _get_metrics_rank(parallel_dims=parallel_dims, pp_schedule=pp_schedule)
+        self.tee: _TeeLogger | None = None
+        if self.is_reporting_rank:
+            self.tee = _TeeLogger(self.logger, Path(dump_folder) / "metrics.jsonl")
+            self.logger = self.tee
+
+    def start_display(self, total_steps: int) -> None:
+        """Start showing progress (on the reporting rank only)."""
+        if self.tee is not None:
+            self.tee.display = ProgressDisplay(total_steps, live=sys.stdout.isatty())
+
+    def close_display(self, last_step: int, tokens: int) -> None:
+        if self.tee is not None and self.tee.display is not None:
+            self.tee.display.close(last_step, tokens)
+            self.tee.display = None
+
+
+class RunValidator(Validator):
+    """torchtitan's Validator that also validates at the run's last step."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Validator.Config):
+        pass
+
+    last_step: int = 0
+
+    def should_validate(self, step: int) -> bool:
+        return step == self.last_step or Validator.should_validate(self, step)

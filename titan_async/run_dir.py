@@ -1,0 +1,89 @@
+"""The run directory: resolved config, launch settings, checkpoints, metrics, logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+from titan_async.errors import UserError
+
+CONFIG_FILE = "config.toml"
+STOPPED_FILE = "stopped.json"
+LAUNCH_FILE = "launch.json"
+CHECKPOINT_DIR = "checkpoint"
+_OUTPUTS = (CHECKPOINT_DIR, "tb", "logs", "metrics.jsonl", STOPPED_FILE, "comm_traces")
+
+
+def new_run_dir(config_name: str, root: Path = Path("runs")) -> Path:
+    """A fresh directory name under `root`: <config>-<timestamp>."""
+    return root / f"{config_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoints whose DCP metadata was written (the last file of a save), oldest first."""
+    folder = run_dir / CHECKPOINT_DIR
+    if not folder.is_dir():
+        return []
+    steps = []
+    for path in folder.iterdir():
+        match = re.fullmatch(r"step-(\d+)", path.name)
+        if match and (path / ".metadata").is_file():
+            steps.append((int(match.group(1)), path))
+    return [path for _, path in sorted(steps)]
+
+
+def claim(run_dir: Path, overwrite: bool) -> None:
+    """Make `run_dir` ready for a new run; refuse to discard a run's checkpoints unless `overwrite`."""
+    if (run_dir / CHECKPOINT_DIR).exists() and any((run_dir / CHECKPOINT_DIR).iterdir()):
+        if not overwrite:
+            raise UserError(
+                f"--run-dir {run_dir}: already holds checkpoints; continue it with "
+                f"`titan-async resume --run-dir {run_dir}` or pass --overwrite to discard them"
+            )
+    if overwrite:
+        for name in _OUTPUTS:
+            path = run_dir / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_launch(run_dir: Path, config_toml: str, nproc_per_node: int) -> None:
+    write_atomic(run_dir / CONFIG_FILE, config_toml)
+    write_atomic(run_dir / LAUNCH_FILE, json.dumps({"nproc_per_node": nproc_per_node}))
+
+
+def record_world_size(run_dir: Path, world_size: int) -> None:
+    """Remember how many processes trained the run (eval shards validation data the same way)."""
+    launch = load_launch(run_dir)
+    write_atomic(run_dir / LAUNCH_FILE, json.dumps({**launch, "world_size": world_size}))
+
+
+def record_stop(run_dir: Path, step: int, signum: int) -> None:
+    write_atomic(run_dir / STOPPED_FILE, json.dumps({"step": step, "signal": signum}))
+
+
+def load_launch(run_dir: Path) -> dict:
+    """The launch settings of an existing run; UserError if `run_dir` is not a run directory."""
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise UserError(f"--run-dir {run_dir}: not a titan-async run directory (no {CONFIG_FILE})")
+    launch = run_dir / LAUNCH_FILE
+    return json.loads(launch.read_text()) if launch.is_file() else {"nproc_per_node": 1}
+
+
+def stopped_step(run_dir: Path) -> int | None:
+    """The step at which a signal stopped the last launch, if one did."""
+    path = run_dir / STOPPED_FILE
+    return json.loads(path.read_text())["step"] if path.is_file() else None

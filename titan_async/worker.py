@@ -1,0 +1,79 @@
+"""One training process: reads the run directory's config and trains (or resumes).
+
+Started in-process for a single local worker, or by torch's elastic launcher
+(`python -m torch.distributed.run ... -m titan_async.worker RUN_DIR`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+
+from titan_async import platform, run_dir as runs
+from titan_async.platform import DropMessages
+
+
+def _setup_logging(run_dir: Path, verbose: bool) -> None:
+    """Full log per rank under run_dir/logs; only warnings on the console unless verbose."""
+    rank = int(os.environ.get("RANK", "0"))
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    root.handlers.clear()
+    root.setLevel(logging.INFO)
+    formatter = logging.Formatter(f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
+    file_handler = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
+    file_handler.setFormatter(formatter)
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(logging.INFO if verbose else logging.WARNING)
+    console.setFormatter(formatter)
+    root.addHandler(file_handler)
+    root.addHandler(console)
+    os.environ["KINETO_LOG_LEVEL"] = "5"
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+    root.addFilter(DropMessages("model.safetensors.index.json not found"))
+
+
+def train(run_dir: Path, verbose: bool = False) -> int:
+    """Train the run in `run_dir` from its latest checkpoint (if any); returns the exit status."""
+    platform.configure()
+    _setup_logging(run_dir, verbose)
+    import datasets
+
+    datasets.disable_progress_bars()
+    import torch.distributed as dist
+
+    from titan_async.config.assemble import trainer_config
+    from titan_async.config.run_config import load_run_config
+
+    run = load_run_config(run_dir / runs.CONFIG_FILE)
+    trainer = trainer_config(run, run_dir).build()
+    if dist.get_rank() == 0:
+        runs.record_world_size(run_dir, dist.get_world_size())
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    if trainer.stopped_by_signal is not None and dist.get_rank() == 0:
+        runs.record_stop(run_dir, trainer.step, trainer.stopped_by_signal)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def main() -> None:
+    from titan_async.errors import UserError
+
+    run_dir = Path(sys.argv[1])
+    try:
+        sys.exit(train(run_dir, verbose="--verbose" in sys.argv[2:]))
+    except UserError as err:
+        print(f"titan-async: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
