@@ -151,7 +151,7 @@ def test_validation_is_a_small_fraction(manifest: dict[str, Any]) -> None:
 def test_documents_are_bounded_chunks_of_whole_files(documents: list[Document]) -> None:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     chunks: dict[str, list[str]] = defaultdict(list)
-    for doc in documents:
+    for doc in sorted(documents, key=lambda d: (d.source, d.chunk)):
         assert 0 < len(doc.text) <= MAX_DOCUMENT_CHARS
         chunks[doc.source].append(doc.text)
     files = [source for source in chunks if source.endswith(".py")]

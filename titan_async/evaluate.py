@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from rich.console import Console
 from rich.table import Table
 from torchtitan.components.loss import IGNORE_INDEX
@@ -38,8 +39,8 @@ def _load_model(checkpoint: Path, config):
     state = model.state_dict()
     try:
         dcp.load(state, checkpoint_id=str(checkpoint))
-    except Exception as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    except (Exception, CheckpointException) as err:
+        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise UserError(f"--checkpoint {checkpoint}: cannot read the checkpoint ({reason})") from None
     model.load_state_dict(state)
     return model.eval()

@@ -75,6 +75,7 @@ class Document:
     """One corpus document: a chunk of `source` (a stdlib-relative path or a pydoc topic)."""
 
     source: str
+    chunk: int
     split: str
     text: str
 
@@ -107,19 +108,19 @@ def ensure_corpus(cache_dir: Path | None = None, vocab_size: int = 2048) -> Corp
 def collect_documents(stdlib_dir: Path | None = None) -> list[Document]:
     """Return every corpus document in corpus order, each tagged with its split.
 
-    Sources (stdlib files and pydoc topics) are ordered by a hash of their name,
-    which mixes subjects deterministically (torchtitan reads the first epoch in
-    order, unshuffled); a long text becomes consecutive chunks of at most `MAX_DOCUMENT_CHARS`
+    Chunks are ordered by a hash of (source, chunk index), which mixes files
+    deterministically (torchtitan reads the first epoch in order, unshuffled);
+    a long text becomes consecutive chunks of at most `MAX_DOCUMENT_CHARS`
     characters cut on line boundaries. All chunks of one file share a split.
     """
     root = Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
     sources = _stdlib_sources(root) + [(_TOPIC_SOURCE_PREFIX + name, text) for name, text in pydoc_topics.items()]
-    sources.sort(key=lambda source: (zlib.crc32(source[0].encode()), source[0]))
-    return [
-        Document(source=name, split=_split_of(name), text=chunk)
+    documents = [
+        Document(source=name, chunk=index, split=_split_of(name), text=chunk)
         for name, text in sources
-        for chunk in _chunks(text, MAX_DOCUMENT_CHARS)
+        for index, chunk in enumerate(_chunks(text, MAX_DOCUMENT_CHARS))
     ]
+    return sorted(documents, key=lambda d: (zlib.crc32(f"{d.source}:{d.chunk}".encode()), d.source, d.chunk))
 
 
 def register_datasets(files: CorpusFiles) -> tuple[str, str]:

@@ -1,0 +1,52 @@
+"""Shared helpers: the CLI in-process and as a subprocess, and small fast configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_async import platform
+
+platform.configure()
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "train_configs"
+
+# A ~0.2M-parameter model and short sequences: a step takes a few tens of ms on CPU.
+TINY = [
+    "model.dim=64", "model.n_layers=4", "model.n_heads=4",
+    "training.seq_len=64", "training.local_batch_size=4",
+    "validation.steps=2", "validation.freq=1000",
+    "lr_scheduler.warmup_steps=2", "debug.deterministic=true",
+]
+
+
+def sets(*assignments: str) -> list[str]:
+    """['--set', a, '--set', b, ...]"""
+    return [item for a in assignments for item in ("--set", a)]
+
+
+def run_cli(*args: str, check: bool = True, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `titan-async ARGS` in a fresh interpreter; with `check`, fail the test on a non-zero exit."""
+    result = subprocess.run(
+        [sys.executable, "-m", "titan_async.cli", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})},
+    )
+    if check and result.returncode != 0:
+        pytest.fail(f"titan-async {' '.join(args)} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result
+
+
+def metrics(run_dir: Path, kind: str = "train") -> dict[int, dict]:
+    """Step -> logged scalars of `kind` ("train" or "validation") from metrics.jsonl."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row for row in rows if row["kind"] == kind}
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {step: row["loss_metrics/global_avg_loss"] for step, row in metrics(run_dir).items()}

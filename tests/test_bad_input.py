@@ -1,0 +1,128 @@
+"""Every bad input ends with one line naming the file, key or argument, exit status 2, no traceback."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import CONFIGS, run_cli, sets
+from titan_async import cli
+
+
+def fail(capsys, *args: str) -> str:
+    """Run the CLI in-process, expect exit status 2, return its single stderr line."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(list(args))
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("titan-async: ")
+    return err
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_missing_config_file_as_a_process(tmp_path):
+    result = run_cli("train", "--config", str(tmp_path / "nope.toml"), check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"titan-async: {tmp_path / 'nope.toml'}: config file not found"
+
+
+def test_toml_syntax_error_gives_line_and_column(tmp_path, capsys):
+    path = write(tmp_path / "bad.toml", "[training]\nsteps = 10\nlr = = 3\n")
+    err = fail(capsys, "config", "show", "--config", str(path))
+    assert str(path) in err and "TOML syntax error" in err and "line 3, column" in err
+
+
+def test_unknown_key_suggests_closest(tmp_path, capsys):
+    path = write(tmp_path / "typo.toml", "[training]\nstep = 10\n")
+    err = fail(capsys, "config", "show", "--config", str(path))
+    assert err == f"titan-async: {path}: [training]: unknown key 'step' (did you mean 'steps'?)"
+
+
+def test_unknown_section_suggests_closest(tmp_path, capsys):
+    path = write(tmp_path / "typo.toml", "[trainng]\nsteps = 10\n")
+    err = fail(capsys, "config", "show", "--config", str(path))
+    assert err == f"titan-async: {path}: unknown section [trainng] (did you mean 'training'?)"
+
+
+def test_wrong_value_type_names_key_and_expected_type(capsys):
+    err = fail(capsys, "config", "show", *sets("training.steps=ten"))
+    assert err.endswith('training.steps: expected an integer, got string "ten"')
+
+
+def test_wrong_literal_lists_choices(capsys):
+    err = fail(capsys, "config", "show", *sets("optimizer.name=sgd"))
+    assert err.endswith('optimizer.name: expected one of "adamw", got string "sgd"')
+
+
+def test_malformed_set(capsys):
+    err = fail(capsys, "config", "show", "--set", "steps")
+    assert "--set 'steps': expected section.key=value" in err
+
+
+def test_parallel_degrees_must_match_process_count(capsys, tmp_path):
+    err = fail(capsys, "train", "--config", str(CONFIGS / "debug_cpu_pp2_fsdp2.toml"), "--nproc-per-node", "2",
+               "--run-dir", str(tmp_path / "run"))
+    assert "parallelism.pipeline_parallel_degree (2) x parallelism.data_parallel_shard_degree (2) = 4" in err
+    assert "2 process(es)" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_batch_must_divide_into_microbatches(capsys, tmp_path):
+    err = fail(capsys, "train", "--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--nproc-per-node", "2",
+               "--run-dir", str(tmp_path / "run"), *sets("parallelism.pipeline_parallel_microbatch_size=3"))
+    assert "training.local_batch_size (8) is not divisible into microbatches of " \
+           "parallelism.pipeline_parallel_microbatch_size (3)" in err
+
+
+def test_resume_needs_a_run_directory(capsys, tmp_path):
+    err = fail(capsys, "resume", "--run-dir", str(tmp_path))
+    assert err == f"titan-async: --run-dir {tmp_path}: not a titan-async run directory (no config.toml)"
+
+
+def test_resume_needs_a_complete_checkpoint(capsys, tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoint" / "step-5").mkdir(parents=True)  # a save that never finished: no .metadata
+    shutil.copy(CONFIGS / "debug_cpu.toml", run / "config.toml")
+    err = fail(capsys, "resume", "--run-dir", str(run))
+    assert err == f"titan-async: --run-dir {run}: no complete checkpoint to resume from (checkpoint/step-N/.metadata)"
+
+
+def test_eval_missing_checkpoint(capsys, tmp_path):
+    err = fail(capsys, "eval", "--checkpoint", str(tmp_path / "checkpoint" / "step-3"))
+    assert "expected a checkpoint directory RUN/checkpoint/step-N" in err
+
+
+def test_eval_incomplete_checkpoint(capsys, tmp_path):
+    step = tmp_path / "checkpoint" / "step-3"
+    step.mkdir(parents=True)
+    err = fail(capsys, "eval", "--checkpoint", str(step))
+    assert "incomplete checkpoint (no .metadata" in err
+
+
+def test_eval_corrupt_checkpoint(capsys, tmp_path):
+    step = tmp_path / "checkpoint" / "step-3"
+    step.mkdir(parents=True)
+    write(step / ".metadata", "not a pickle")
+    write(step / "__0_0.distcp", "garbage")
+    shutil.copy(CONFIGS / "debug_cpu.toml", tmp_path / "config.toml")
+    err = fail(capsys, "eval", "--checkpoint", str(step))
+    assert f"--checkpoint {step}: cannot read the checkpoint" in err
+
+
+def test_train_refuses_to_discard_checkpoints(capsys, tmp_path):
+    (tmp_path / "checkpoint" / "step-10").mkdir(parents=True)
+    err = fail(capsys, "train", "--run-dir", str(tmp_path))
+    assert "already holds checkpoints" in err and "--overwrite" in err
+    assert (tmp_path / "checkpoint" / "step-10").is_dir()
+
+
+def test_invalid_model_shape(capsys, tmp_path):
+    err = fail(capsys, "train", "--run-dir", str(tmp_path / "run"), *sets("model.n_heads=7"))
+    assert "model.dim (256) must be divisible by model.n_heads (7)" in err

@@ -1,0 +1,61 @@
+"""Resume is exact: stop after a checkpoint, resume, and get the uninterrupted run's losses."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import CONFIGS, REPO, TINY, losses, metrics, run_cli, sets
+
+STEPS = 6
+EXACT = sets(*TINY, f"lr_scheduler.total_steps={STEPS}", "checkpoint.interval=3")
+
+
+@pytest.mark.parametrize(
+    "config, nproc",
+    [("debug_cpu.toml", "1"), ("debug_cpu_pp2.toml", "2")],
+    ids=["single-process", "pp2-1f1b"],
+)
+def test_resume_matches_uninterrupted_run(tmp_path, config, nproc):
+    common = ("--config", str(CONFIGS / config), "--nproc-per-node", nproc, *EXACT)
+    run_cli("train", "--run-dir", str(tmp_path / "full"), *common, *sets(f"training.steps={STEPS}"))
+    run_cli("train", "--run-dir", str(tmp_path / "split"), *common, *sets("training.steps=3"))
+    assert (tmp_path / "split" / "checkpoint" / "step-3" / ".metadata").is_file()
+    resumed = run_cli("resume", "--run-dir", str(tmp_path / "split"), *sets(f"training.steps={STEPS}"))
+    assert "from step-3" in resumed.stdout
+
+    full, split = losses(tmp_path / "full"), losses(tmp_path / "split")
+    assert sorted(full) == sorted(split) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert split[step] == pytest.approx(full[step], rel=1e-6, abs=0), step
+    assert full[STEPS] < full[1]
+
+
+def test_sigterm_saves_a_resumable_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "titan_async.cli", "train", "--run-dir", str(run_dir), *sets(*TINY, "training.steps=400")],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 300
+    while not ((run_dir / "metrics.jsonl").is_file() and len(metrics(run_dir)) >= 3):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err[-3000:]
+
+    stopped = json.loads((run_dir / "stopped.json").read_text())["step"]
+    assert 3 <= stopped < 400
+    assert f"stopped at step {stopped}" in out
+    assert (run_dir / "checkpoint" / f"step-{stopped}" / ".metadata").is_file()
+
+    run_cli("resume", "--run-dir", str(run_dir), *sets(f"training.steps={stopped + 2}"))
+    assert max(losses(run_dir)) == stopped + 2
+    assert not (run_dir / "stopped.json").exists()
