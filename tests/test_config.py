@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import tomllib
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import pytest
 
 from conftest import CONFIGS
+from titan_async.config import run_config
 from titan_async.config.run_config import apply_set, build_run_config, load_run_config, render_toml
 
 SHIPPED = sorted(CONFIGS.glob("*.toml"))
@@ -49,3 +52,24 @@ def test_data_parallel_degree_uses_leftover_ranks():
     config = build_run_config({"parallelism": {"pipeline_parallel_degree": 2}}, "test")
     assert config.data_parallel_degree(8) == 4
     config.check(8)
+
+
+@dataclass(kw_only=True, slots=True)
+class Inner:
+    toml_subsection: ClassVar[bool] = True
+    coefficient: float = 1.0
+
+
+@dataclass(kw_only=True, slots=True)
+class Outer:
+    name: str = "x"
+    inner: Inner = field(default_factory=Inner)
+
+
+def test_nested_subsections_are_set_checked_and_rendered():
+    section = run_config._section("outer", Outer(), {"inner": {"coefficient": 0.5}}, "t.toml")
+    assert section.inner.coefficient == 0.5
+    with pytest.raises(run_config.UserError, match=r"t.toml: \[outer.inner\]: unknown key 'coef' \(did you mean 'coefficient'\?\)"):
+        run_config._section("outer", Outer(), {"inner": {"coef": 0.5}}, "t.toml")
+    with pytest.raises(run_config.UserError, match="outer.inner.coefficient: expected a number"):
+        run_config._section("outer", Outer(), {"inner": {"coefficient": "big"}}, "t.toml")

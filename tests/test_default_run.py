@@ -40,7 +40,7 @@ def test_default_run_directory_layout(default_run):
     assert "Training completed" in (run_dir / "logs" / "rank0.log").read_text()
     train = metrics(run_dir)
     assert sorted(train) == list(range(1, 151))
-    for key in ("grad_norm", "throughput(tps)", "memory/max_reserved(GiB)", "lr/group_0"):
+    for key in ("grad_norm", "throughput(tps)", "memory/max_reserved(GiB)", "lr/AdamW"):
         assert all(math.isfinite(row[key]) for row in train.values()), key
 
 

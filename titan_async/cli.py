@@ -8,7 +8,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from titan_async import platform
+from titan_async import platform, worker
 from titan_async.errors import UserError
 
 DEFAULT_CONFIG = "debug_cpu"
@@ -76,12 +76,14 @@ def _train(args) -> int:
     run = load_run_config(path, args.set)
     nproc = args.nproc_per_node or 1
     run.check(launch.world_size(nproc))
-    directory = args.run_dir or runs.new_run_dir(path.stem)
-    runs.claim(directory, args.overwrite)
+    directory = args.run_dir or runs.new_run_dir(path.stem, launch.job_id())
+    if launch.is_coordinator():
+        runs.claim(directory, args.overwrite)
     trainer_config(run, directory)
-    runs.save_launch(directory, render_toml(run), nproc)
-    print(f"run directory: {directory}", flush=True)
-    return _launch(directory, nproc, args.verbose)
+    if launch.is_coordinator():
+        runs.save_launch(directory, render_toml(run), nproc)
+        print(f"run directory: {directory}", flush=True)
+    return _launch(directory, nproc, args.verbose, run)
 
 
 def _resume(args) -> int:
@@ -97,16 +99,19 @@ def _resume(args) -> int:
     run = load_run_config(args.run_dir / "config.toml", args.set)
     run.check(launch.world_size(nproc))
     trainer_config(run, args.run_dir)
-    runs.save_launch(args.run_dir, render_toml(run), nproc)
-    (args.run_dir / "stopped.json").unlink(missing_ok=True)
-    print(f"resuming {args.run_dir} from {checkpoints[-1].name}", flush=True)
-    return _launch(args.run_dir, nproc, args.verbose)
+    if launch.is_coordinator():
+        runs.save_launch(args.run_dir, render_toml(run), nproc)
+        runs.clear_stop(args.run_dir)
+        print(f"resuming {args.run_dir} from {checkpoints[-1].name}", flush=True)
+    return _launch(args.run_dir, nproc, args.verbose, run)
 
 
-def _launch(directory: Path, nproc: int, verbose: bool) -> int:
+def _launch(directory: Path, nproc: int, verbose: bool, run) -> int:
     from titan_async import launch, run_dir as runs
 
-    status = launch.run(directory, nproc, verbose)
+    status = launch.run(directory, nproc, verbose, run)
+    if not launch.is_coordinator():
+        return status
     step = runs.stopped_step(directory)
     if step is not None:
         print(f"stopped at step {step} with a checkpoint; continue with: titan-async resume --run-dir {directory}")
@@ -134,7 +139,7 @@ def _config_show(args) -> int:
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.ERROR)
-    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    worker.quiet_library_noise()
     platform.configure()
     handlers = {"train": _train, "resume": _resume, "eval": _eval, "config": _config_show}
     try:

@@ -8,42 +8,56 @@ checkpoint's step.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
+import tempfile
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
+import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from rich.console import Console
 from rich.table import Table
 from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
-from titan_async import run_dir as runs
+from titan_async import launch, run_dir as runs
 from titan_async.config.assemble import trainer_config
-from titan_async.config.run_config import load_run_config
+from titan_async.config.run_config import RunConfig, load_run_config
 from titan_async.errors import UserError
 
 
-def _load_model(checkpoint: Path, config):
-    """The model of `config` with the weights stored in `checkpoint` (CPU, eval mode)."""
-    model_config = config.model_spec.model
-    model_config.update_from_config(config=config)
-    with torch.device("meta"):
-        model = model_config.build()
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    state = model.state_dict()
+def _single_process(run: RunConfig) -> RunConfig:
+    """`run` with every parallel degree 1, evaluation-only settings."""
+    parallelism = dataclasses.replace(
+        run.parallelism,
+        pipeline_parallel_degree=1,
+        data_parallel_shard_degree=-1,
+        data_parallel_replicate_degree=1,
+        tensor_parallel_degree=1,
+        context_parallel_degree=1,
+    )
+    metrics = dataclasses.replace(run.metrics, enable_tensorboard=False)
+    return dataclasses.replace(run, parallelism=parallelism, metrics=metrics)
+
+
+def _load_model(checkpoint: Path, run: RunConfig, scratch: Path):
+    """The trained model of `run` with the weights in `checkpoint`, built as training builds it
+    (same parallelize function, so the same mixed-precision compute), on one process."""
+    launch.become_single_process()
+    config = trainer_config(_single_process(run), scratch)
+    config.checkpoint = dataclasses.replace(
+        config.checkpoint, initial_load_path=str(checkpoint.resolve()), initial_load_model_only=True
+    )
+    config.validator.enable = False
+    trainer = config.build()
     try:
-        dcp.load(state, checkpoint_id=str(checkpoint))
+        trainer.checkpointer.load()
     except (Exception, CheckpointException) as err:
         reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise UserError(f"--checkpoint {checkpoint}: cannot read the checkpoint ({reason})") from None
-    model.load_state_dict(state)
-    return model.eval()
+    return trainer, trainer.model_parts[0].eval()
 
 
 def _forward(model, inputs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -97,12 +111,16 @@ def evaluate_checkpoint(checkpoint: Path, *, as_json: bool, prompt: str, max_new
     if not (checkpoint / ".metadata").is_file():
         raise UserError(f"--checkpoint {checkpoint}: incomplete checkpoint (no .metadata; the save did not finish)")
     run_dir = checkpoint.parent.parent
-    run = load_run_config(run_dir / "config.toml")
-    config = trainer_config(run, run_dir)
-    tokenizer = HuggingFaceTokenizer.Config().build(tokenizer_path=config.hf_assets_path)
-    model = _load_model(checkpoint, config)
+    run = load_run_config(run_dir / runs.CONFIG_FILE)
     world_size = runs.load_launch(run_dir).get("world_size", 1)
-    loss, tokens = validation_loss(model, config, tokenizer, run.data_parallel_degree(world_size))
+    with tempfile.TemporaryDirectory() as scratch:
+        trainer, model = _load_model(checkpoint, run, Path(scratch))
+        try:
+            loss, tokens = validation_loss(model, trainer.config, trainer.tokenizer, run.data_parallel_degree(world_size))
+            continuation = greedy_continuation(model, trainer.tokenizer, prompt, max_new_tokens)
+        finally:
+            trainer.close()
+            dist.destroy_process_group()
     result = {
         "checkpoint": str(checkpoint),
         "step": int(match.group(1)),
@@ -110,7 +128,7 @@ def evaluate_checkpoint(checkpoint: Path, *, as_json: bool, prompt: str, max_new
         "perplexity": math.exp(loss),
         "tokens": tokens,
         "prompt": prompt,
-        "continuation": greedy_continuation(model, tokenizer, prompt, max_new_tokens),
+        "continuation": continuation,
     }
     if as_json:
         print(json.dumps(result))

@@ -2,21 +2,67 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
 
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+
+from titan_async.optim.container import RoutedOptimizersContainer
+
+
+@dataclass(kw_only=True, slots=True)
+class MuonSection:
+    """Muon for hidden matrices; embeddings, the output head, norms and biases get AdamW."""
+
+    toml_subsection: ClassVar[bool] = True
+
+    momentum: float = 0.95
+    """Momentum of the gradient average that is orthogonalised."""
+    nesterov: bool = True
+    """Orthogonalise the Nesterov look-ahead instead of the momentum buffer."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations."""
+    ns_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Precision of the Newton-Schulz iterations."""
+    lr_scaling: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """Per-matrix lr multiplier: match_rms_adamw = 0.2 sqrt(max(rows, cols)); original = sqrt(max(1, rows/cols))."""
+    adamw_lr: float = 8e-4
+    """Peak lr of the AdamW group (embeddings, output head, norms, biases)."""
+
+    def __post_init__(self) -> None:
+        if self.adamw_lr <= 0:
+            raise ValueError(f"optimizer.muon.adamw_lr must be > 0, got {self.adamw_lr}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"optimizer.muon.momentum must be in [0, 1), got {self.momentum}")
+        if self.ns_steps < 1:
+            raise ValueError(f"optimizer.muon.ns_steps must be >= 1, got {self.ns_steps}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ErrorFeedbackSection:
+    """Error feedback for one-step-delayed updates: w -= u_t + c (u_t - u_{t-1})."""
+
+    toml_subsection: ClassVar[bool] = True
+
+    enabled: bool = False
+    """Wrap the optimizer(s) in error feedback."""
+    coefficient: float = 1.0
+    """c in [0, 2]; 0 is the plain optimizer."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.coefficient <= 2:
+            raise ValueError(f"optimizer.error_feedback.coefficient must be in [0, 2], got {self.coefficient}")
 
 
 @dataclass(kw_only=True, slots=True)
 class OptimizerSection:
     """Optimizer and its hyperparameters."""
 
-    name: Literal["adamw"] = "adamw"
-    """Optimizer for every parameter."""
+    name: Literal["adamw", "muon"] = "adamw"
+    """adamw: AdamW for every parameter; muon: Muon for hidden matrices, AdamW for the rest."""
     lr: float = 8e-4
-    """Peak learning rate (the lr_scheduler scales it)."""
+    """Peak learning rate (the lr_scheduler scales it); with muon, the Muon lr."""
     beta1: float = 0.9
     """AdamW first-moment decay."""
     beta2: float = 0.95
@@ -24,9 +70,11 @@ class OptimizerSection:
     eps: float = 1e-8
     """AdamW denominator epsilon."""
     weight_decay: float = 0.1
-    """Decoupled weight decay."""
+    """Decoupled weight decay (AdamW and Muon)."""
     implementation: Literal["fused", "foreach", "for-loop"] = "fused"
-    """Kernel implementation of the update."""
+    """Kernel implementation of the AdamW update."""
+    muon: MuonSection = field(default_factory=MuonSection)
+    error_feedback: ErrorFeedbackSection = field(default_factory=ErrorFeedbackSection)
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -34,17 +82,32 @@ class OptimizerSection:
         for key in ("beta1", "beta2"):
             if not 0 <= getattr(self, key) < 1:
                 raise ValueError(f"optimizer.{key} must be in [0, 1), got {getattr(self, key)}")
+        if self.name != "muon" and self.muon != MuonSection():
+            raise ValueError(f'optimizer.muon is only used when optimizer.name = "muon" (it is "{self.name}")')
+
+    def _adamw_kwargs(self, lr: float) -> dict[str, object]:
+        return {"lr": lr, "betas": (self.beta1, self.beta2), "eps": self.eps, "weight_decay": self.weight_decay}
 
     def container_config(self) -> OptimizersContainer.Config:
-        """torchtitan's config: one AdamW group over all parameters."""
-        group = ParamGroupConfig(
-            pattern=r".*",
-            optimizer_name="AdamW",
-            optimizer_kwargs={
+        """torchtitan's plain config for AdamW alone (one group over all parameters), else the
+        RoutedOptimizersContainer config for Muon and/or error feedback."""
+        if self.name == "adamw" and not self.error_feedback.enabled:
+            group = ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs=self._adamw_kwargs(self.lr))
+            return OptimizersContainer.Config(param_groups=[group], implementation=self.implementation)
+        muon_kwargs = None
+        if self.name == "muon":
+            muon_kwargs = {
                 "lr": self.lr,
-                "betas": (self.beta1, self.beta2),
-                "eps": self.eps,
+                "momentum": self.muon.momentum,
+                "nesterov": self.muon.nesterov,
                 "weight_decay": self.weight_decay,
-            },
+                "ns_steps": self.muon.ns_steps,
+                "ns_dtype": self.muon.ns_dtype,
+                "lr_scaling": self.muon.lr_scaling,
+            }
+        return RoutedOptimizersContainer.Config(
+            implementation=self.implementation,
+            adamw_kwargs=self._adamw_kwargs(self.muon.adamw_lr if self.name == "muon" else self.lr),
+            muon_kwargs=muon_kwargs,
+            error_feedback_coefficient=self.error_feedback.coefficient if self.error_feedback.enabled else None,
         )
-        return OptimizersContainer.Config(param_groups=[group], implementation=self.implementation)

@@ -18,9 +18,9 @@ CHECKPOINT_DIR = "checkpoint"
 _OUTPUTS = (CHECKPOINT_DIR, "tb", "logs", "metrics.jsonl", STOPPED_FILE, "comm_traces")
 
 
-def new_run_dir(config_name: str, root: Path = Path("runs")) -> Path:
-    """A fresh directory name under `root`: <config>-<timestamp>."""
-    return root / f"{config_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+def new_run_dir(config_name: str, job_id: str | None = None, root: Path = Path("runs")) -> Path:
+    """A fresh directory name under `root`: <config>-<job id, else timestamp>."""
+    return root / f"{config_name}-{job_id or time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
@@ -81,6 +81,10 @@ def load_launch(run_dir: Path) -> dict:
         raise UserError(f"--run-dir {run_dir}: not a titan-async run directory (no {CONFIG_FILE})")
     launch = run_dir / LAUNCH_FILE
     return json.loads(launch.read_text()) if launch.is_file() else {"nproc_per_node": 1}
+
+
+def clear_stop(run_dir: Path) -> None:
+    (run_dir / STOPPED_FILE).unlink(missing_ok=True)
 
 
 def stopped_step(run_dir: Path) -> int | None:

@@ -16,6 +16,12 @@ from titan_async import platform, run_dir as runs
 from titan_async.platform import DropMessages
 
 
+def quiet_library_noise() -> None:
+    """Silence deprecation chatter from libraries that says nothing about the run."""
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+
+
 def _setup_logging(run_dir: Path, verbose: bool) -> None:
     """Full log per rank under run_dir/logs; only warnings on the console unless verbose."""
     rank = int(os.environ.get("RANK", "0"))
@@ -32,13 +38,15 @@ def _setup_logging(run_dir: Path, verbose: bool) -> None:
     root.addHandler(file_handler)
     root.addHandler(console)
     os.environ["KINETO_LOG_LEVEL"] = "5"
-    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+    quiet_library_noise()
     root.addFilter(DropMessages("model.safetensors.index.json not found"))
 
 
-def train(run_dir: Path, verbose: bool = False) -> int:
-    """Train the run in `run_dir` from its latest checkpoint (if any); returns the exit status."""
+def train(run_dir: Path, verbose: bool = False, run=None) -> int:
+    """Train the run in `run_dir` from its latest checkpoint (if any); returns the exit status.
+
+    `run` is the resolved RunConfig; None reads the run directory's config.toml.
+    """
     platform.configure()
     _setup_logging(run_dir, verbose)
     import datasets
@@ -49,7 +57,7 @@ def train(run_dir: Path, verbose: bool = False) -> int:
     from titan_async.config.assemble import trainer_config
     from titan_async.config.run_config import load_run_config
 
-    run = load_run_config(run_dir / runs.CONFIG_FILE)
+    run = run or load_run_config(run_dir / runs.CONFIG_FILE)
     trainer = trainer_config(run, run_dir).build()
     if dist.get_rank() == 0:
         runs.record_world_size(run_dir, dist.get_world_size())

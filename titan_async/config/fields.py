@@ -65,6 +65,16 @@ def settable_fields(cls: type) -> dict[str, Any]:
     }
 
 
+def subsections(section: Any) -> dict[str, Any]:
+    """Field name -> nested section object, for fields whose class sets `toml_subsection = True`
+    (written as `[section.field]` tables)."""
+    return {
+        f.name: getattr(section, f.name)
+        for f in dataclasses.fields(section)
+        if getattr(type(getattr(section, f.name)), "toml_subsection", False)
+    }
+
+
 def closest(name: str, candidates: typing.Iterable[str]) -> str:
     """' (did you mean X?)' for the nearest candidate, or ''."""
     match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.5)

@@ -14,7 +14,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.config.configs import CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
 
 from titan_async import platform
-from titan_async.config.fields import closest, coerce, describe, settable_fields, type_name
+from titan_async.config.fields import closest, coerce, describe, settable_fields, subsections, type_name
 from titan_async.data.sources import DataSection
 from titan_async.errors import UserError
 from titan_async.model import ModelSection
@@ -153,10 +153,14 @@ def _section(name: str, default: Any, values: Any, source: str) -> Any:
     if not isinstance(values, dict):
         raise UserError(f"{source}: {name} must be a table [{name}], got a {type_name(values)}")
     allowed = settable_fields(type(default))
+    nested = subsections(default)
     updates = {}
     for key, value in values.items():
+        if key in nested:
+            updates[key] = _section(f"{name}.{key}", nested[key], value, source)
+            continue
         if key not in allowed:
-            raise UserError(f"{where}: unknown key {key!r}{closest(key, allowed)}")
+            raise UserError(f"{where}: unknown key {key!r}{closest(key, [*allowed, *nested])}")
         ok, converted = coerce(value, allowed[key])
         if not ok:
             raise UserError(
@@ -203,9 +207,15 @@ def _toml_value(value: Any) -> str:
 def render_toml(config: RunConfig) -> str:
     """Every settable key of every section as TOML; unset optional keys are commented out."""
     lines = [f"# resolved from {config.source}"]
-    for name, section in config.sections().items():
+
+    def table(name: str, section: Any) -> None:
         lines.append(f"\n[{name}]")
         for key in settable_fields(type(section)):
             value = getattr(section, key)
             lines.append(f"# {key} = (unset)" if value is None else f"{key} = {_toml_value(value)}")
+        for key, nested in subsections(section).items():
+            table(f"{name}.{key}", nested)
+
+    for name, section in config.sections().items():
+        table(name, section)
     return "\n".join(lines) + "\n"
