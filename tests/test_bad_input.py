@@ -58,7 +58,7 @@ def test_wrong_value_type_names_key_and_expected_type(capsys):
 
 def test_wrong_literal_lists_choices(capsys):
     err = fail(capsys, "config", "show", *sets("optimizer.name=sgd"))
-    assert err.endswith('optimizer.name: expected one of "adamw", got string "sgd"')
+    assert err.endswith('optimizer.name: expected one of "adamw", "muon", got string "sgd"')
 
 
 def test_malformed_set(capsys):

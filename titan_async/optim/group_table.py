@@ -10,6 +10,7 @@ from pathlib import Path
 import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 from torch.optim import Optimizer
 
 from titan_async.optim.error_feedback import ErrorFeedback
@@ -74,7 +75,7 @@ def render_table(rows: list[GroupRow]) -> Table:
     totals: dict[str, list[int]] = {}
     for row in sorted(rows, key=lambda row: row.optimizer != "Muon"):
         ef = "-" if row.error_feedback is None else f"c={row.error_feedback:g}"
-        table.add_row(row.name, "x".join(map(str, row.shape)), row.optimizer, f"{row.lr:.4g}", ef)
+        table.add_row(Text(row.name), "x".join(map(str, row.shape)), row.optimizer, f"{row.lr:.4g}", ef)
         count = totals.setdefault(row.optimizer, [0, 0])
         count[0] += 1
         count[1] += math.prod(row.shape)
