@@ -15,6 +15,7 @@ from torchtitan.models.llama3 import (
     _output_linear_init,
     parallelize_llama,
 )
+from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.pipeline_parallel import pipeline_llm
 from torchtitan.models.common.attention import VarlenAttention
 from torchtitan.models.llama3.model import Llama3Model
@@ -82,8 +83,22 @@ def _inner_attention_backend(choice: str) -> str:
     return choice
 
 
-def build_model_spec(section: ModelSection, tokenizer_vocab_size: int) -> ModelSpec:
-    """A torchtitan ModelSpec for the llama3 model that `section` describes."""
+def parallelize_without_fsdp(model, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder):
+    """torchtitan's llama3 parallelize function minus FSDP (which it applies even on one rank).
+
+    Weight-version policies switch parameter storage between microbatches; FSDP2 reads
+    its own shard buffer instead, so stages they manage keep plain parameters.
+    """
+    if ac_config is not None:
+        ac_config.build(dump_folder=dump_folder).apply(model)
+    if compile_config.enable and "model" in compile_config.components:
+        apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
+    return model
+
+
+def build_model_spec(section: ModelSection, tokenizer_vocab_size: int, fsdp: bool = True) -> ModelSpec:
+    """A torchtitan ModelSpec for the llama3 model that `section` describes (`fsdp`: see
+    `parallelize_without_fsdp`)."""
     s = section.resolved(tokenizer_vocab_size)
     dim, n_heads, vocab = s["dim"], s["n_heads"], s["vocab_size"]
     if dim % n_heads:
@@ -127,7 +142,7 @@ def build_model_spec(section: ModelSection, tokenizer_vocab_size: int) -> ModelS
         name="llama3",
         flavor=section.preset,
         model=config,
-        parallelize_fn=parallelize_llama,
+        parallelize_fn=parallelize_llama if fsdp else parallelize_without_fsdp,
         pipelining_fn=pipeline_llm,
         post_optimizer_build_fn=None,
         state_dict_adapter=Llama3StateDictAdapter,

@@ -127,7 +127,8 @@ class RunMetrics(MetricsProcessor):
 
     @dataclass(kw_only=True, slots=True)
     class Config(MetricsProcessor.Config):
-        pass
+        pipeline_trace: bool = False
+        """Record every pipeline action's start and end (streaming schedules): trace JSON and a Gantt PNG."""
 
     def __init__(self, config: Config, *, parallel_dims, dump_folder: str = "./outputs", pp_schedule: str = "1F1B", **kwargs):
         super().__init__(config, parallel_dims=parallel_dims, dump_folder=dump_folder, pp_schedule=pp_schedule, **kwargs)

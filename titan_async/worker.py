@@ -39,7 +39,7 @@ def _setup_logging(run_dir: Path, verbose: bool) -> None:
     root.addHandler(console)
     os.environ["KINETO_LOG_LEVEL"] = "5"
     quiet_library_noise()
-    root.addFilter(DropMessages("model.safetensors.index.json not found"))
+    root.addFilter(DropMessages("model.safetensors.index.json not found", "Pipeline Parallel loss is not visible"))
 
 
 def train(run_dir: Path, verbose: bool = False, run=None) -> int:

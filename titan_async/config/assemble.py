@@ -14,6 +14,7 @@ from titan_async.config.run_config import RunConfig
 from titan_async.data.sources import prepare
 from titan_async.errors import UserError
 from titan_async.model import build_model_spec
+from titan_async.pipeline.schedules import register as register_schedules, streaming_schedule
 from titan_async.trainer import AsyncTrainer
 
 _ACTIVATION_CHECKPOINTS = {"none": None, "selective": SelectiveAC.Config, "full": FullAC.Config}
@@ -25,9 +26,11 @@ def tokenizer_vocab_size(tokenizer_dir: Path) -> int:
 
 def trainer_config(run: RunConfig, run_dir: Path) -> AsyncTrainer.Config:
     """The AsyncTrainer config that trains `run` with its outputs under `run_dir`."""
+    register_schedules()
     data = prepare(run.data, need_validation=run.validation.enable)
     try:
-        model_spec = build_model_spec(run.model, tokenizer_vocab_size(data.tokenizer_dir))
+        weight_versions = run.training.gradient_delay or streaming_schedule(run.parallelism.pipeline_parallel_schedule)
+        model_spec = build_model_spec(run.model, tokenizer_vocab_size(data.tokenizer_dir), fsdp=not weight_versions)
     except ValueError as err:
         raise UserError(f"{run.source}: {err}") from None
     validator = dataclasses.replace(

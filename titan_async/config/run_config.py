@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.optimizer import LRSchedulersContainer
-from torchtitan.config.configs import CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
+from torchtitan.config.configs import CommConfig, CompileConfig, DebugConfig
 
 from titan_async import platform
 from titan_async.config.fields import closest, coerce, describe, settable_fields, subsections, type_name
@@ -19,6 +19,7 @@ from titan_async.data.sources import DataSection
 from titan_async.errors import UserError
 from titan_async.model import ModelSection
 from titan_async.optimizer import OptimizerSection
+from titan_async.pipeline.config import DelayTraining, PipelineParallelism, check_pipeline
 from titan_async.progress import RunMetrics, RunValidator
 
 
@@ -35,8 +36,8 @@ def _default_sections() -> dict[str, Any]:
     return {
         "model": ModelSection(),
         "data": DataSection(),
-        "training": TrainingConfig(disable_cuda_graphs=platform.is_cpu()),
-        "parallelism": ParallelismConfig(),
+        "training": DelayTraining(disable_cuda_graphs=platform.is_cpu()),
+        "parallelism": PipelineParallelism(),
         "optimizer": OptimizerSection(),
         "lr_scheduler": LRSchedulersContainer.Config(),
         "checkpoint": CheckpointManager.Config(enable=True, last_save_model_only=False, initial_load_model_only=False),
@@ -58,8 +59,8 @@ class RunConfig:
 
     model: ModelSection
     data: DataSection
-    training: TrainingConfig
-    parallelism: ParallelismConfig
+    training: DelayTraining
+    parallelism: PipelineParallelism
     optimizer: OptimizerSection
     lr_scheduler: LRSchedulersContainer.Config
     checkpoint: CheckpointManager.Config
@@ -118,6 +119,9 @@ class RunConfig:
                     f"microbatches of parallelism.pipeline_parallel_microbatch_size ({p.pipeline_parallel_microbatch_size})"
                 )
         dp = self.data_parallel_degree(world_size)
+        problem = check_pipeline(t, p, dp, self.microbatches())
+        if problem:
+            raise UserError(f"{self.source}: {problem}")
         if t.global_batch_size > 0 and t.global_batch_size % (t.local_batch_size * dp):
             raise UserError(
                 f"{self.source}: training.global_batch_size ({t.global_batch_size}) must be a multiple of "

@@ -1,0 +1,1 @@
+"""Asynchronous (no-flush) pipeline schedules: PipeDream-2BW and PACI."""

@@ -1,0 +1,70 @@
+"""Per-rank action lists of the streaming (no-flush) 1F1B stream, as torch `_Action`s.
+
+Stage s keeps w = p-1-s microbatches in flight: its stream is F(0)..F(w-1), then
+F(k+w), B(k) for k = 0, 1, ... Window t (one optimizer step) holds the forwards of
+batch t, F(tm)..F(tm+m-1), and the backwards B(tm-w)..B(tm+m-1-w): first the w-long
+tail of batch t-1, then the head of batch t. Microbatch ids are global (k = t*m + j).
+A drain runs the w backwards still owed, which empties the pipe.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+F = _ComputationType.FORWARD
+B = _ComputationType.FULL_BACKWARD
+
+
+def in_flight(stage: int, num_stages: int) -> int:
+    """w: microbatches stage `stage` holds between its forward and backward in steady state."""
+    return num_stages - 1 - stage
+
+
+def window_actions(stage: int, num_stages: int, microbatches: int, window: int, drained: bool) -> list[_Action]:
+    """Actions of `stage` in window `window`; `drained` means the previous batch's tail already ran."""
+    w = in_flight(stage, num_stages)
+    first = window * microbatches
+    actions = []
+    for i in range(microbatches):
+        actions.append(_Action(stage, F, first + i))
+        backward = first + i - w
+        if backward >= 0 and not (drained and backward < first):
+            actions.append(_Action(stage, B, backward))
+    return actions
+
+
+def drain_actions(stage: int, num_stages: int, microbatches: int, window: int) -> list[_Action]:
+    """The backwards that window `window` left in flight on `stage`."""
+    w = in_flight(stage, num_stages)
+    end = (window + 1) * microbatches
+    return [_Action(stage, B, k) for k in range(end - w, end)]
+
+
+def pipeline_order(num_stages: int, microbatches: int, windows: int, drain_every: int = 0) -> dict[int, list[_Action]]:
+    """Rank -> actions for `windows` windows, draining after the last one (and every `drain_every`)."""
+    order: dict[int, list[_Action]] = {}
+    for stage in range(num_stages):
+        actions, drained = [], False
+        for window in range(windows):
+            actions += window_actions(stage, num_stages, microbatches, window, drained)
+            drained = window == windows - 1 or (drain_every > 0 and (window + 1) % drain_every == 0)
+            if drained:
+                actions += drain_actions(stage, num_stages, microbatches, window)
+        order[stage] = actions
+    return order
+
+
+def format_order(order: dict[int, list[_Action]]) -> str:
+    """One line per rank, actions as torch prints them (e.g. 0F3 = stage 0 forward of microbatch 3)."""
+    return "\n".join(f"rank {rank}: " + " ".join(str(a) for a in actions) for rank, actions in sorted(order.items()))
+
+
+def dump_csv(order: dict[int, list[_Action]], path: Path) -> None:
+    """Write one row per rank, as torch's `_PipelineScheduleRuntime._dump_csv` does."""
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        for rank in sorted(order):
+            writer.writerow([str(a) for a in order[rank]])

@@ -1,0 +1,76 @@
+"""Config sections and checks for the streaming schedules and the delayed-gradient reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from torchtitan.config.configs import ParallelismConfig, TrainingConfig
+
+from titan_async.pipeline.schedules import SCHEDULE_NAMES, SchedulePipeDream2BW, streaming_schedule
+
+
+@dataclass(kw_only=True, slots=True)
+class PACISection:
+    """`[parallelism.paci]`: PACI's local accumulation."""
+
+    toml_subsection: ClassVar[bool] = True
+    accumulation: int | None = None
+    """a: local backwards per optimizer step on each stage; unset = the number of microbatches."""
+
+    def __post_init__(self) -> None:
+        if self.accumulation is not None and self.accumulation < 1:
+            raise ValueError(f"parallelism.paci.accumulation must be >= 1, got {self.accumulation}")
+
+
+@dataclass(kw_only=True, slots=True)
+class PipelineParallelism(ParallelismConfig):
+    """torchtitan's parallelism settings plus the streaming schedules' own."""
+
+    paci: PACISection = field(default_factory=PACISection)
+
+
+@dataclass(kw_only=True, slots=True)
+class DelayTraining(TrainingConfig):
+    """torchtitan's training settings plus the delayed-gradient reference."""
+
+    gradient_delay: int = 0
+    """1: train without pipeline parallelism on the 2BW rule W[k+1] = W[k] - Opt(grad f(W[k-1]))."""
+
+    def __post_init__(self) -> None:
+        if self.gradient_delay not in (0, 1):
+            raise ValueError(f"training.gradient_delay must be 0 or 1, got {self.gradient_delay}")
+
+
+def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism, data_parallel: int, microbatches: int) -> str | None:
+    """Why this schedule/delay combination cannot run, naming the keys; None if it can."""
+    name = parallelism.pipeline_parallel_schedule
+    key = f"parallelism.pipeline_parallel_schedule = {name!r}"
+    if name.lower() not in {n.lower() for n in SCHEDULE_NAMES}:
+        return f"{key}: unknown schedule; valid names are {', '.join(SCHEDULE_NAMES)}"
+    if training.gradient_delay and parallelism.pipeline_parallel_degree > 1:
+        return "training.gradient_delay = 1 is the single-process reference; with pipeline_parallel_degree > 1 use pipeline_parallel_schedule = \"PipeDream2BW\""
+    schedule = streaming_schedule(name)
+    if schedule is None:
+        return None
+    p = parallelism.pipeline_parallel_degree
+    if p < 2:
+        return f"{key} needs parallelism.pipeline_parallel_degree >= 2 (training.gradient_delay = 1 is the single-process 2BW rule)"
+    unsupported = {
+        "data parallelism (data_parallel_shard_degree or data_parallel_replicate_degree > 1)": data_parallel > 1,
+        "parallelism.tensor_parallel_degree > 1": parallelism.tensor_parallel_degree > 1,
+        "parallelism.context_parallel_degree > 1": parallelism.context_parallel_degree > 1,
+        "parallelism.pipeline_parallel_layers_per_stage (several stages per rank)": parallelism.pipeline_parallel_layers_per_stage is not None,
+        "parallelism.pipeline_parallel_schedule_csv": bool(parallelism.pipeline_parallel_schedule_csv),
+        "gradient accumulation (training.global_batch_size > local_batch_size x data-parallel degree)": training.global_batch_size
+        > training.local_batch_size * data_parallel,
+    }
+    for feature, present in unsupported.items():
+        if present:
+            return f"{key} does not support {feature} yet"
+    if schedule is SchedulePipeDream2BW and microbatches < p:
+        return (
+            f"{key} needs at least as many microbatches as stages: training.local_batch_size / "
+            f"parallelism.pipeline_parallel_microbatch_size = {microbatches} < pipeline_parallel_degree = {p}"
+        )
+    return None

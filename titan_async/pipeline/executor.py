@@ -1,0 +1,123 @@
+"""Runs one stage's streaming actions; in-flight microbatches survive across windows."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+from titan_async.pipeline.trace import Timeline
+from titan_async.pipeline.transport import ACTIVATION, GRADIENT, P2PTransport
+
+
+@dataclass
+class Microbatch:
+    """What a window feeds one microbatch: first-stage inputs, per-stage kwargs, last-stage target."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    target: torch.Tensor | None
+
+
+@dataclass
+class _InFlight:
+    stage_input: torch.Tensor
+    output: torch.Tensor
+
+
+class StageExecutor:
+    """Executes F and B actions of one stage with a weight policy (see `versions`).
+
+    `optimizer_step` is called whenever the policy completes a batch (2BW) or an
+    accumulation (PACI); it must clip, step and zero this stage's gradients.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        stage: int,
+        num_stages: int,
+        transport: P2PTransport,
+        policy,
+        loss_fn: Callable[..., torch.Tensor],
+        timeline: Timeline,
+    ) -> None:
+        self.module = module
+        self.stage = stage
+        self.is_first = stage == 0
+        self.is_last = stage == num_stages - 1
+        self.transport = transport
+        self.policy = policy
+        self.loss_fn = loss_fn
+        self.timeline = timeline
+        self.in_flight: dict[int, _InFlight] = {}
+
+    def run(
+        self,
+        actions: list[_Action],
+        microbatches: dict[int, Microbatch],
+        loss_kwargs: dict[str, Any],
+        optimizer_step: Callable[[], None],
+    ) -> list[torch.Tensor]:
+        """Run `actions`; returns the losses of the forwards run here (last stage only)."""
+        if not self.is_first:
+            self.transport.prefetch(ACTIVATION, [a.microbatch_index for a in actions if a.computation_type == _ComputationType.FORWARD])
+        if not self.is_last:
+            self.transport.prefetch(GRADIENT, [a.microbatch_index for a in actions if a.computation_type != _ComputationType.FORWARD])
+        losses = []
+        for action in actions:
+            k = action.microbatch_index
+            if action.computation_type == _ComputationType.FORWARD:
+                loss = self._forward(k, microbatches[k], loss_kwargs)
+                if loss is not None:
+                    losses.append(loss)
+            else:
+                self._backward(k, optimizer_step)
+        return losses
+
+    def _forward(self, k: int, microbatch: Microbatch, loss_kwargs: dict[str, Any]) -> torch.Tensor | None:
+        self.policy.before_forward(k)
+        if self.is_first:
+            stage_input = microbatch.args[0]
+        else:
+            stage_input = self.transport.recv(ACTIVATION, k).requires_grad_(True)
+        with self.timeline.action(f"{self.stage}F{k}"):
+            output = self.module(stage_input, **microbatch.kwargs)
+            if self.is_last:
+                output = self.loss_fn(output, microbatch.target, **loss_kwargs)
+        self.in_flight[k] = _InFlight(stage_input, output)
+        if self.is_last:
+            return output.detach()
+        self.transport.send(ACTIVATION, k, output)
+        return None
+
+    def _backward(self, k: int, optimizer_step: Callable[[], None]) -> None:
+        self.policy.before_backward(k)
+        entry = self.in_flight.pop(k)
+        grad = None if self.is_last else self.transport.recv(GRADIENT, k)
+        with self.timeline.action(f"{self.stage}B{k}"):
+            torch.autograd.backward(entry.output, grad)
+        if not self.is_first:
+            self.transport.send(GRADIENT, k, entry.stage_input.grad)
+        completed = self.policy.after_backward(k)
+        if completed is not None:
+            with self.timeline.action(f"{self.stage}O{completed}"):
+                self.policy.apply_update(completed, optimizer_step)
+
+    @torch.no_grad()
+    def evaluate(self, microbatches: list[Microbatch], loss_kwargs: dict[str, Any], first_id: int) -> list[torch.Tensor]:
+        """Forward-only pass of `microbatches` (ids from `first_id`); losses on the last stage."""
+        losses = []
+        for offset, microbatch in enumerate(microbatches):
+            k = first_id + offset
+            stage_input = microbatch.args[0] if self.is_first else self.transport.recv(ACTIVATION, k)
+            output = self.module(stage_input, **microbatch.kwargs)
+            if self.is_last:
+                losses.append(self.loss_fn(output, microbatch.target, **loss_kwargs).detach())
+            else:
+                self.transport.send(ACTIVATION, k, output)
+        self.transport.finish_sends()
+        return losses
