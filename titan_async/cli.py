@@ -112,11 +112,23 @@ def _launch(directory: Path, nproc: int, verbose: bool, run) -> int:
     status = launch.run(directory, nproc, verbose, run)
     if not launch.is_coordinator():
         return status
+    _draw_pipeline_trace(directory)
     step = runs.stopped_step(directory)
     if step is not None:
         print(f"stopped at step {step} with a checkpoint; continue with: titan-async resume --run-dir {directory}")
         return 130
     return status
+
+
+def _draw_pipeline_trace(directory: Path) -> None:
+    """Merge the ranks' pipeline traces of a traced run into trace.json and timeline.png."""
+    from titan_async.pipeline.trace import draw_gantt, merge_traces
+
+    folder = directory / "pipeline"
+    parts = sorted(folder.glob("trace_rank*.json")) if folder.is_dir() else []
+    if parts:
+        events = merge_traces(parts, folder / "trace.json")
+        draw_gantt(events, folder / "timeline.png", f"pipeline timeline: {directory.name}")
 
 
 def _eval(args) -> int:

@@ -29,8 +29,18 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from titan_async.init import canonical_name, reinitialize_by_name
+from titan_async.pipeline.config import microbatches
+from titan_async.pipeline.emulation import stage_modules, stage_view
+from titan_async.pipeline.executor import Microbatch, StageExecutor
 from titan_async.pipeline.schedules import StreamingSchedule
-from titan_async.pipeline.versions import TwoVersions
+from titan_async.pipeline.stream import StreamEngine
+from titan_async.pipeline.trace import Timeline
+from titan_async.pipeline.transport import LocalTransport
+from titan_async.pipeline.versions import TwoVersions, make_policy
+
+
+def _names(model: torch.nn.Module) -> list[str]:
+    return [canonical_name(name) for name, _ in model.named_parameters()]
 
 
 class RNGState(Stateful):
@@ -54,16 +64,20 @@ class RNGState(Stateful):
 
 
 class WeightVersionState(Stateful):
-    """A weight-version policy's state (the second 2BW version, PACI's partial sums) for checkpoints."""
+    """The weight policies' state (second 2BW versions, PACI's partial sums) of this process's
+    stages, keyed by stage so that ranks never share a key."""
 
-    def __init__(self, policy, names: list[str], trainer: Trainer) -> None:
-        self.policy, self.names, self.trainer = policy, names, trainer
+    def __init__(self, stages: dict[int, tuple[Any, list[str]]], trainer: Trainer) -> None:
+        self.stages, self.trainer = stages, trainer
 
     def state_dict(self) -> dict[str, Any]:
-        return self.policy.state_dict(self.names, self.trainer.step)
+        return {
+            f"stage{stage}": policy.state_dict(names, self.trainer.step) for stage, (policy, names) in self.stages.items()
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.policy.load_state_dict(state_dict, self.names, self.trainer.step)
+        for stage, (policy, names) in self.stages.items():
+            policy.load_state_dict(state_dict[f"stage{stage}"], names, self.trainer.step)
 
 
 class StopRequest:
@@ -113,41 +127,72 @@ class AsyncTrainer(Trainer):
         self.stop_request = StopRequest()
         self.stopped_by_signal: int | None = None
         self.stage_grad_norm = torch.tensor(0.0)
-        self.weight_policy = self._attach_weight_policy()
+        self.stream: StreamEngine | None = None
+        self.delay: TwoVersions | None = None
+        self.timeline = None
+        policies = self._attach_weight_policies()
+        if policies and self.checkpointer.enable:
+            self.checkpointer.states["weight_versions"] = WeightVersionState(policies, self)
 
-    @property
-    def streaming(self) -> bool:
-        return isinstance(getattr(self, "pp_schedule", None), StreamingSchedule)
-
-    def _attach_weight_policy(self):
-        """The weight-version policy of a streaming schedule or of gradient_delay = 1, if any."""
-        model = self.model_parts[0]
-        names = [canonical_name(n) for n, _ in model.named_parameters()]
-        if self.streaming:
-            self.pp_schedule.attach(
-                optimizer_step=self._stage_optimizer_step,
-                accumulation=self.config.parallelism.paci.accumulation,
-                keep_trace=self.config.metrics.pipeline_trace,
-                param_names=names,
+    def _attach_weight_policies(self) -> dict[int, tuple[Any, list[str]]]:
+        """Stage -> (weight policy, parameter names) of a streaming schedule, its emulation,
+        or gradient_delay = 1 (stage 0); empty for synchronous training."""
+        config = self.config
+        if isinstance(getattr(self, "pp_schedule", None), StreamingSchedule):
+            schedule, stage = self.pp_schedule, self.pp_schedule._stage.stage_index
+            self.stream = schedule.attach(
+                optimizer_step=lambda: self._stage_optimizer_step(0, schedule.policy),
+                accumulation=config.parallelism.paci.accumulation,
+                keep_trace=config.metrics.pipeline_trace,
             )
-            policy = self.pp_schedule.policy
-        elif self.config.training.gradient_delay:
-            policy = TwoVersions(list(model.parameters()), microbatches=1)
-        else:
-            return None
-        if self.checkpointer.enable:
-            self.checkpointer.states["weight_versions"] = WeightVersionState(policy, names, self)
-        return policy
+            self.timeline = schedule.timeline
+            return {stage: (schedule.policy, _names(self.model_parts[0]))}
+        if config.parallelism.emulated_stages:
+            return self._emulate_stages()
+        if config.training.gradient_delay:
+            self.delay = TwoVersions(list(self.model_parts[0].parameters()), microbatches=1)
+            return {0: (self.delay, _names(self.model_parts[0]))}
+        return {}
 
-    def _stage_optimizer_step(self) -> None:
-        """Clip this stage's gradient on its own, step, zero it, and advance the learning rate
-        by the batches this stage has now completed (streaming schedules)."""
-        params = [p for m in self.model_parts for p in m.parameters()]
+    def _emulate_stages(self) -> dict[int, tuple[Any, list[str]]]:
+        """Split the model into stage views in this process, each with its own optimizer,
+        learning-rate schedule and weight policy (the single-process emulation)."""
+        config = self.config
+        model = self.model_parts[0]
+        views = [stage_view(model, names) for names in stage_modules(config.parallelism, len(model.layers))]
+        self.optimizers = config.optimizer.build(model_parts=views)
+        self.lr_schedulers = config.lr_scheduler.build(optimizers=self.optimizers, training_steps=config.training.steps)
+        self.metrics_processor.optimizers = self.optimizers
+        if self.checkpointer.enable:
+            self.checkpointer.states.update(optimizer=self.optimizers, lr_scheduler=self.lr_schedulers)
+        m = microbatches(config.training, config.parallelism)
+        mailbox: dict = {}
+        policies, executors, steps = {}, [], {}
+        for stage, view in enumerate(views):
+            policy = make_policy(config.parallelism.pipeline_parallel_schedule, list(view.parameters()), m, config.parallelism.paci.accumulation)
+            policies[stage] = (policy, _names(view))
+            executors.append(
+                StageExecutor(view, stage, len(views), LocalTransport(mailbox, stage), policy, self._emulated_loss, Timeline(0, False))
+            )
+            steps[stage] = lambda stage=stage, policy=policy: self._stage_optimizer_step(stage, policy)
+        self.stream = StreamEngine(executors, len(views), m, steps)
+        return policies
+
+    def _emulated_loss(self, pred, labels, **loss_kwargs):
+        loss, _ = self.loss_fn(pred, labels, **loss_kwargs)
+        return loss
+
+    def _stage_optimizer_step(self, part: int, policy) -> None:
+        """Clip stage `part`'s gradient on its own, step its optimizer, zero it, and advance its
+        learning rate by the batches the stage has now completed (streaming schedules)."""
+        optimizer = self.optimizers.optimizers[part]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
         self.stage_grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.training.max_norm, foreach=True)
-        self.optimizers.step()
-        self.optimizers.zero_grad()
-        while self.lr_schedulers.schedulers[0].last_epoch < self.weight_policy.lr_steps_due():
-            self.lr_schedulers.step()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler = self.lr_schedulers.schedulers[part]
+        while scheduler.last_epoch < policy.lr_steps_due():
+            scheduler.step()
 
     def _must_drain(self) -> bool:
         """Whether the step just taken is followed by a checkpoint, validation or the end."""
@@ -157,9 +202,9 @@ class AsyncTrainer(Trainer):
         return step >= config.training.steps or checkpoint or validation
 
     def train_step(self, data_iterator) -> None:
-        if self.streaming:
+        if self.stream is not None:
             self._streaming_train_step(data_iterator)
-        elif self.weight_policy is not None:
+        elif self.delay is not None:
             self._delayed_train_step(data_iterator)
         else:
             super().train_step(data_iterator)
@@ -169,51 +214,58 @@ class AsyncTrainer(Trainer):
         gradient taken at the previous version and the update applied to the latest one.
         Afterwards the parameters hold the latest version, W[step], as a checkpoint expects."""
         batch = self.step - 1
-        self.weight_policy.activate(batch)
+        self.delay.activate(batch)
         step_optimizer = self.optimizers.step
-        self.optimizers.step = lambda: self.weight_policy.apply_update(batch, step_optimizer)
+        self.optimizers.step = lambda: self.delay.apply_update(batch, step_optimizer)
         try:
             super().train_step(data_iterator)
         finally:
             del self.optimizers.step
-        self.weight_policy.activate(self.step + 1)
+        self.delay.activate(self.step + 1)
 
     def _streaming_train_step(self, data_iterator) -> None:
         """Feed batch `step - 1` into the stream and report the loss of the batch it completed."""
         lr_metrics = self.lr_schedulers.get_metrics()
-        microbatches = [next(data_iterator) for _ in range(self.num_pipeline_parallel_microbatches)]
-        valid_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
-        global_valid_tokens = torch.tensor(valid_tokens, device=self.device)
-        arg_mbs, kwarg_mbs, target_mbs = [], [], []
-        for input_dict, labels in microbatches:
+        batches = [next(data_iterator) for _ in range(self.num_pipeline_parallel_microbatches)]
+        valid_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
+        microbatches = []
+        for input_dict, labels in self._split_for_emulation(batches):
             input_dict = {k: v.to(self.device) for k, v in input_dict.items()}
             inputs, labels, extra_kwargs = self.post_dataloading_process(input_dict, labels.to(self.device))
-            arg_mbs.append((inputs,))
-            kwarg_mbs.append(extra_kwargs)
-            target_mbs.append(labels)
-        schedule = self.pp_schedule
+            microbatches.append(Microbatch(args=(inputs,), kwargs=extra_kwargs, target=labels))
+        loss_kwargs = {"global_valid_tokens": torch.tensor(valid_tokens, device=self.device)}
         with self.train_context():
-            losses = schedule.run_window(
-                arg_mbs if self.pp_has_first_stage else None,
-                kwarg_mbs,
-                target_mbs if self.pp_has_last_stage else None,
-                {"global_valid_tokens": global_valid_tokens},
-            )
-            bubble = schedule.bubble()
+            if self.timeline:
+                self.timeline.start_window()
+            losses = self.stream.run_window(self.step - 1, microbatches, loss_kwargs)
+            bubble = self.timeline.bubble() if self.timeline else None
             if self._must_drain():
                 self._drain()
-        self._record_window(bubble)
-        if not self.metrics_processor.should_log(self.step):
-            return
-        loss = float(torch.stack(losses).sum()) if losses else -1.0
-        extra = {"n_tokens_seen": self.ntokens_seen, "pipeline/bubble": bubble, **lr_metrics}
-        self.metrics_processor.log(self.step, loss, loss, float(self.stage_grad_norm), extra_metrics=extra)
+        extra = {"n_tokens_seen": self.ntokens_seen, **lr_metrics}
+        if bubble is not None:
+            extra["pipeline/bubble"] = bubble
+            self._record_window(bubble)
+        if self.metrics_processor.should_log(self.step):
+            loss = float(torch.stack(losses).sum()) if losses else -1.0
+            self.metrics_processor.log(self.step, loss, loss, float(self.stage_grad_norm), extra_metrics=extra)
+
+    def _split_for_emulation(self, batches: list) -> list:
+        """The emulation loads whole batches (no PP): cut each into its pipeline microbatches."""
+        if not self.config.parallelism.emulated_stages:
+            return batches
+        count = microbatches(self.config.training, self.config.parallelism)
+        split = []
+        for input_dict, labels in batches:
+            parts = {k: v.chunk(count) for k, v in input_dict.items()}
+            split += [({k: v[i] for k, v in parts.items()}, labels.chunk(count)[i]) for i in range(count)]
+        return split
 
     def _drain(self) -> None:
         """Empty the stream; with two versions, expose the latest (W[step]) for saving and validation."""
-        self.pp_schedule.drain()
-        if isinstance(self.weight_policy, TwoVersions):
-            self.weight_policy.activate(self.step + 1)
+        self.stream.drain()
+        for executor in self.stream.executors:
+            if isinstance(executor.policy, TwoVersions):
+                executor.policy.activate(self.step + 1)
 
     def _record_window(self, bubble: float) -> None:
         """Append this rank's bubble of the window to <run-dir>/pipeline/rank<R>.jsonl."""
@@ -229,7 +281,7 @@ class AsyncTrainer(Trainer):
         if self.step > 0 and self.stop_request.agreed():
             self.stopped_by_signal = self.stop_request.signal or signal.SIGTERM
             logger.warning(f"Stop requested at step {self.step}; saving a checkpoint before exiting")
-            if self.streaming:
+            if self.stream is not None:
                 self._drain()
             self.checkpointer.save(self.step, last_step=True)
             return False
@@ -241,7 +293,7 @@ class AsyncTrainer(Trainer):
             super().train()
         finally:
             self.metrics_processor.close_display(self.step, self.ntokens_seen)
-            if self.streaming and self.config.metrics.pipeline_trace:
+            if self.timeline is not None and self.config.metrics.pipeline_trace:
                 folder = Path(self.config.dump_folder) / "pipeline"
                 folder.mkdir(exist_ok=True)
-                self.pp_schedule.write_trace(folder / f"trace_rank{dist.get_rank()}.json")
+                self.timeline.write(folder / f"trace_rank{dist.get_rank()}.json")

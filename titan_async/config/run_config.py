@@ -19,7 +19,7 @@ from titan_async.data.sources import DataSection
 from titan_async.errors import UserError
 from titan_async.model import ModelSection
 from titan_async.optimizer import OptimizerSection
-from titan_async.pipeline.config import DelayTraining, PipelineParallelism, check_pipeline
+from titan_async.pipeline.config import DelayTraining, PipelineParallelism, check_pipeline, microbatches
 from titan_async.progress import RunMetrics, RunValidator
 
 
@@ -76,10 +76,8 @@ class RunConfig:
         return {name: getattr(self, name) for name in SECTION_NAMES}
 
     def microbatches(self) -> int:
-        """Pipeline microbatches per local batch (1 without pipeline parallelism)."""
-        if self.parallelism.pipeline_parallel_degree == 1:
-            return 1
-        return self.training.local_batch_size // self.parallelism.pipeline_parallel_microbatch_size
+        """Pipeline microbatches per local batch (1 without pipeline parallelism or its emulation)."""
+        return microbatches(self.training, self.parallelism)
 
     def data_parallel_degree(self, world_size: int) -> int:
         """Data-parallel ranks (shard x replicate) when `world_size` processes run the job."""
@@ -112,7 +110,7 @@ class RunConfig:
                 f"{self.source}: {named} = {product}, but {world_size} process(es) run this job "
                 "(set --nproc-per-node, or change the degrees so their product is the number of processes)"
             )
-        if p.pipeline_parallel_degree > 1:
+        if p.pipeline_parallel_degree > 1 or p.emulated_stages:
             if t.local_batch_size % p.pipeline_parallel_microbatch_size:
                 raise UserError(
                     f"{self.source}: training.local_batch_size ({t.local_batch_size}) is not divisible into "
@@ -140,16 +138,19 @@ def read_toml(path: Path) -> dict[str, Any]:
 
 
 def apply_set(document: dict[str, Any], assignment: str) -> None:
-    """Apply one `--set section.key=value` (value in TOML syntax; bare words are strings)."""
+    """Apply one `--set section[.subsection].key=value` (value in TOML syntax; bare words are strings)."""
     key, sep, raw = assignment.partition("=")
     parts = key.strip().split(".")
-    if not sep or len(parts) != 2 or not all(parts):
+    if not sep or len(parts) < 2 or not all(parts):
         raise UserError(f"--set {assignment!r}: expected section.key=value, e.g. training.steps=50")
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw.strip()
-    document.setdefault(parts[0], {})[parts[1]] = value
+    table = document
+    for part in parts[:-1]:
+        table = table.setdefault(part, {})
+    table[parts[-1]] = value
 
 
 def _section(name: str, default: Any, values: Any, source: str) -> Any:

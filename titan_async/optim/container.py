@@ -43,9 +43,9 @@ class RoutedOptimizersContainer(OptimizersContainer):
         self.model_parts = model_parts
         self.optimizers = []
         all_params = []
+        use_muon = config.muon_kwargs is not None
         for part_index, part in enumerate(model_parts):
             routes = route_parameters(part)
-            use_muon = config.muon_kwargs is not None
             matrices = [r for r in routes if use_muon and r.optimizer == "muon"]
             others = [r for r in routes if not (use_muon and r.optimizer == "muon")]
             if matrices:

@@ -27,6 +27,8 @@ class ErrorFeedback(Optimizer):
     A step where every group's lr is 0 (torchtitan's `init_optim_state`) only creates that
     state. Parameters without a gradient are left alone. During a step the weights are copied
     once (to measure u_t); between steps the only extra memory is `ef_previous_update`.
+    `last_correction_norm` is the L2 norm of the last step's correction c (u_t - u_{t-1})
+    over this rank's local shards (None before the first step).
     """
 
     def __init__(self, base: Optimizer, coefficient: float = 1.0) -> None:
@@ -35,7 +37,6 @@ class ErrorFeedback(Optimizer):
         self.base = base
         self.coefficient = coefficient
         self.last_correction_norm: torch.Tensor | None = None
-        """L2 norm of the last step's correction c (u_t - u_{t-1}) over this rank's local shards."""
         # Sets up Optimizer's hook tables without registering parameters of its own.
         Optimizer.__setstate__(self, {"defaults": base.defaults})
 

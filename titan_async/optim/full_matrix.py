@@ -98,7 +98,7 @@ def _exchange(
     for j in mine:
         full = by_source[:, offset : offset + sizes[j]].reshape(world * chunks[j], cols[j])[: rows[j]]
         result = fn(j, full).to(parts[0].dtype)
-        outputs.append(F.pad(result, (0, 0, 0, world * chunks[j] - rows[j])).view(world, sizes[j]))
+        outputs.append(F.pad(result, (0, 0, 0, world * chunks[j] - rows[j])).reshape(world, sizes[j]))
         offset += sizes[j]
     scattered_out = torch.cat(outputs, dim=1).reshape(-1) if outputs else gathered.new_empty(0)
     scattered = torch.empty(sum(send_splits), dtype=parts[0].dtype, device=parts[0].device)

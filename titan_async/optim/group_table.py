@@ -79,7 +79,7 @@ def render_table(rows: list[GroupRow]) -> Table:
         count = totals.setdefault(row.optimizer, [0, 0])
         count[0] += 1
         count[1] += math.prod(row.shape)
-    table.caption = ", ".join(f"{kind}: {n} tensors, {numel:,} parameters" for kind, (n, numel) in totals.items())
+    table.caption = ", ".join(f"{kind}: {n} rows, {numel:,} parameters" for kind, (n, numel) in totals.items())
     return table
 
 

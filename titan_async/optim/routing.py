@@ -21,7 +21,7 @@ EMBEDDING_NAMES = ("tok_embeddings",)
 HEAD_NAMES = ("lm_head", "output")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Route:
     """One trainable parameter and the optimizer it belongs to."""
 

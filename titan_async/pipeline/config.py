@@ -27,6 +27,9 @@ class PACISection:
 class PipelineParallelism(ParallelismConfig):
     """torchtitan's parallelism settings plus the streaming schedules' own."""
 
+    emulated_stages: int = 0
+    """With pipeline_parallel_degree = 1 and a streaming schedule: run that many stages of it in this
+    one process (the single-process emulation of its update timing)."""
     paci: PACISection = field(default_factory=PACISection)
 
 
@@ -42,6 +45,13 @@ class DelayTraining(TrainingConfig):
             raise ValueError(f"training.gradient_delay must be 0 or 1, got {self.gradient_delay}")
 
 
+def microbatches(training: TrainingConfig, parallelism: PipelineParallelism) -> int:
+    """Microbatches per batch: with pipeline parallelism or its emulation, local batch / microbatch size."""
+    if parallelism.pipeline_parallel_degree == 1 and not parallelism.emulated_stages:
+        return 1
+    return training.local_batch_size // parallelism.pipeline_parallel_microbatch_size
+
+
 def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism, data_parallel: int, microbatches: int) -> str | None:
     """Why this schedule/delay combination cannot run, naming the keys; None if it can."""
     name = parallelism.pipeline_parallel_schedule
@@ -51,11 +61,20 @@ def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism, da
     if training.gradient_delay and parallelism.pipeline_parallel_degree > 1:
         return "training.gradient_delay = 1 is the single-process reference; with pipeline_parallel_degree > 1 use pipeline_parallel_schedule = \"PipeDream2BW\""
     schedule = streaming_schedule(name)
+    if parallelism.emulated_stages and schedule is None:
+        return f"parallelism.emulated_stages = {parallelism.emulated_stages} emulates a streaming schedule (PipeDream2BW or PACI), not {name!r}"
     if schedule is None:
         return None
     p = parallelism.pipeline_parallel_degree
+    if parallelism.emulated_stages:
+        if p > 1:
+            return "parallelism.emulated_stages runs every stage in one process; set pipeline_parallel_degree = 1"
+        p = parallelism.emulated_stages
     if p < 2:
-        return f"{key} needs parallelism.pipeline_parallel_degree >= 2 (training.gradient_delay = 1 is the single-process 2BW rule)"
+        return (
+            f"{key} needs parallelism.pipeline_parallel_degree >= 2, or parallelism.emulated_stages >= 2 "
+            "for the single-process emulation"
+        )
     unsupported = {
         "data parallelism (data_parallel_shard_degree or data_parallel_replicate_degree > 1)": data_parallel > 1,
         "parallelism.tensor_parallel_degree > 1": parallelism.tensor_parallel_degree > 1,
@@ -71,6 +90,6 @@ def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism, da
     if schedule is SchedulePipeDream2BW and microbatches < p:
         return (
             f"{key} needs at least as many microbatches as stages: training.local_batch_size / "
-            f"parallelism.pipeline_parallel_microbatch_size = {microbatches} < pipeline_parallel_degree = {p}"
+            f"parallelism.pipeline_parallel_microbatch_size = {microbatches} < {p} stages"
         )
     return None

@@ -10,7 +10,7 @@ import torch
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
 from titan_async.pipeline.trace import Timeline
-from titan_async.pipeline.transport import ACTIVATION, GRADIENT, P2PTransport
+from titan_async.pipeline.transport import ACTIVATION, GRADIENT
 
 
 @dataclass
@@ -31,6 +31,9 @@ class _InFlight:
 class StageExecutor:
     """Executes F and B actions of one stage with a weight policy (see `versions`).
 
+    `transport` is a `P2PTransport` (one stage per process) or a `LocalTransport`
+    (every stage in this process, the single-process emulation).
+
     `optimizer_step` is called whenever the policy completes a batch (2BW) or an
     accumulation (PACI); it must clip, step and zero this stage's gradients.
     """
@@ -40,7 +43,7 @@ class StageExecutor:
         module: torch.nn.Module,
         stage: int,
         num_stages: int,
-        transport: P2PTransport,
+        transport,
         policy,
         loss_fn: Callable[..., torch.Tensor],
         timeline: Timeline,
@@ -55,28 +58,29 @@ class StageExecutor:
         self.timeline = timeline
         self.in_flight: dict[int, _InFlight] = {}
 
-    def run(
-        self,
-        actions: list[_Action],
-        microbatches: dict[int, Microbatch],
-        loss_kwargs: dict[str, Any],
-        optimizer_step: Callable[[], None],
-    ) -> list[torch.Tensor]:
-        """Run `actions`; returns the losses of the forwards run here (last stage only)."""
+    def ready(self, action: _Action) -> bool:
+        """Whether the input `action` waits for has arrived (always true for blocking transports)."""
+        if action.computation_type == _ComputationType.FORWARD:
+            return self.is_first or self.transport.has(ACTIVATION, action.microbatch_index)
+        return self.is_last or self.transport.has(GRADIENT, action.microbatch_index)
+
+    def prefetch(self, actions: list[_Action]) -> None:
+        """Post the receives `actions` will wait for."""
+        forward = _ComputationType.FORWARD
         if not self.is_first:
-            self.transport.prefetch(ACTIVATION, [a.microbatch_index for a in actions if a.computation_type == _ComputationType.FORWARD])
+            self.transport.prefetch(ACTIVATION, [a.microbatch_index for a in actions if a.computation_type == forward])
         if not self.is_last:
-            self.transport.prefetch(GRADIENT, [a.microbatch_index for a in actions if a.computation_type != _ComputationType.FORWARD])
-        losses = []
-        for action in actions:
-            k = action.microbatch_index
-            if action.computation_type == _ComputationType.FORWARD:
-                loss = self._forward(k, microbatches[k], loss_kwargs)
-                if loss is not None:
-                    losses.append(loss)
-            else:
-                self._backward(k, optimizer_step)
-        return losses
+            self.transport.prefetch(GRADIENT, [a.microbatch_index for a in actions if a.computation_type != forward])
+
+    def run_action(
+        self, action: _Action, microbatches: dict[int, Microbatch], loss_kwargs: dict[str, Any], optimizer_step: Callable[[], None]
+    ) -> torch.Tensor | None:
+        """Run one F or B; returns the loss of a forward on the last stage."""
+        k = action.microbatch_index
+        if action.computation_type == _ComputationType.FORWARD:
+            return self._forward(k, microbatches[k], loss_kwargs)
+        self._backward(k, optimizer_step)
+        return None
 
     def _forward(self, k: int, microbatch: Microbatch, loss_kwargs: dict[str, Any]) -> torch.Tensor | None:
         self.policy.before_forward(k)

@@ -67,6 +67,9 @@ class P2PTransport:
                 work = dist.irecv(buffer, self.peer[kind], group=self.group, tag=_tag(kind, microbatch))
                 self.posted[(kind, microbatch)] = (work, buffer)
 
+    def has(self, kind: int, microbatch: int) -> bool:
+        return True
+
     def recv(self, kind: int, microbatch: int) -> torch.Tensor:
         """The `kind` tensor of `microbatch` from the neighbour that sends it (blocks until it arrives)."""
         self._shape(kind)
@@ -80,3 +83,27 @@ class P2PTransport:
         for work, _ in self.sends:
             work.wait()
         self.sends.clear()
+
+
+class LocalTransport:
+    """Mailboxes between stages that all live in this process (the single-process emulation)."""
+
+    def __init__(self, mailbox: dict[tuple[int, int, int], torch.Tensor], stage: int) -> None:
+        self.mailbox = mailbox
+        self.stage = stage
+
+    def send(self, kind: int, microbatch: int, tensor: torch.Tensor) -> None:
+        destination = self.stage + 1 if kind == ACTIVATION else self.stage - 1
+        self.mailbox[(destination, kind, microbatch)] = tensor.detach().clone()
+
+    def has(self, kind: int, microbatch: int) -> bool:
+        return (self.stage, kind, microbatch) in self.mailbox
+
+    def recv(self, kind: int, microbatch: int) -> torch.Tensor:
+        return self.mailbox.pop((self.stage, kind, microbatch))
+
+    def prefetch(self, kind: int, microbatches: list[int]) -> None:
+        pass
+
+    def finish_sends(self) -> None:
+        pass

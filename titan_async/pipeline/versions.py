@@ -117,3 +117,10 @@ class LocalAccumulation:
         self.count = int(state["count"])
         for name, param in zip(names, self.params):
             param.grad = state[f"grad.{name}"].clone()
+
+
+def make_policy(schedule: str, params: list[torch.nn.Parameter], microbatches: int, accumulation: int | None):
+    """The weight-version policy of streaming schedule `schedule` for one stage's parameters."""
+    if schedule == "PipeDream2BW":
+        return TwoVersions(params, microbatches)
+    return LocalAccumulation(params, accumulation or microbatches, microbatches)

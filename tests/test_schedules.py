@@ -1,0 +1,137 @@
+"""PipeDream2BW and PACI: action order, exactness against the single-process references, resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import CONFIGS, TINY, losses, metrics, run_cli, sets
+from titan_async.pipeline.actions import drain_actions, pipeline_order, window_actions
+
+
+def names(actions) -> list[str]:
+    return [str(a) for a in actions]
+
+
+def test_streaming_window_order_p2_m4():
+    # stage 0 keeps one microbatch in flight: window 1 starts with batch 1's first forward,
+    # then batch 0's tail backward, with no flush in between.
+    assert names(window_actions(0, 2, 4, 0, drained=True)) == ["0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2"]
+    assert names(window_actions(0, 2, 4, 1, drained=False)) == ["0F4", "0B3", "0F5", "0B4", "0F6", "0B5", "0F7", "0B6"]
+    assert names(window_actions(1, 2, 4, 1, drained=False)) == ["1F4", "1B4", "1F5", "1B5", "1F6", "1B6", "1F7", "1B7"]
+    assert names(drain_actions(0, 2, 4, 1)) == ["0B7"]
+    assert drain_actions(1, 2, 4, 1) == []
+
+
+def test_every_microbatch_runs_forward_then_backward_once_per_stage():
+    order = pipeline_order(num_stages=4, microbatches=8, windows=5, drain_every=2)
+    for rank, actions in order.items():
+        done = [str(a) for a in actions]
+        assert len(done) == len(set(done)) == 2 * 8 * 5
+        for k in range(40):
+            assert done.index(f"{rank}F{k}") < done.index(f"{rank}B{k}")
+        assert max(len([a for a in actions[:i] if "F" in str(a)]) - len([a for a in actions[:i] if "B" in str(a)]) for i in range(len(actions))) <= 8 + 3 - rank
+
+
+@pytest.mark.parametrize(
+    "assignment, message",
+    [
+        ("parallelism.pipeline_parallel_schedule=Zigzag", "unknown schedule; valid names are 1F1B, GPipe"),
+        ("parallelism.pipeline_parallel_microbatch_size=8", "needs at least as many microbatches as stages"),
+        ("parallelism.paci.accumulation=0", "parallelism.paci.accumulation must be >= 1, got 0"),
+        ("training.gradient_delay=2", "training.gradient_delay must be 0 or 1, got 2"),
+    ],
+)
+def test_bad_schedule_settings(capsys, tmp_path, assignment, message):
+    from titan_async import cli
+
+    schedule = "PACI" if "paci" in assignment else "PipeDream2BW"
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--nproc-per-node", "2",
+                  "--run-dir", str(tmp_path / "run"), *sets(f"parallelism.pipeline_parallel_schedule={schedule}", assignment)])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+
+
+def test_streaming_schedule_rejects_data_parallelism(capsys, tmp_path):
+    from titan_async import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--config", str(CONFIGS / "debug_cpu_pp2_fsdp2.toml"), "--nproc-per-node", "4",
+                  "--run-dir", str(tmp_path / "run"), *sets("parallelism.pipeline_parallel_schedule=PACI")])
+    assert "'PACI' does not support data parallelism" in capsys.readouterr().err
+
+
+STEPS = 6
+EXACT = (*TINY, "training.local_batch_size=8", f"training.steps={STEPS}", "checkpoint.interval=3", "validation.freq=3")
+
+
+def train(run_dir, *assignments, nproc="1", config="debug_cpu.toml"):
+    run_cli("train", "--config", str(CONFIGS / config), "--nproc-per-node", nproc, "--run-dir", str(run_dir),
+            *sets(*EXACT, *assignments))
+    return run_dir
+
+
+def final_weights(run_dir) -> dict[str, torch.Tensor]:
+    checkpoint = run_dir / "checkpoint" / f"step-{STEPS}"
+    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata()
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(("tok_embeddings", "layers", "norm", "lm_head")) and hasattr(meta, "size")
+    }
+    dcp.load(state, checkpoint_id=str(checkpoint))
+    return state
+
+
+def assert_same_run(a, b, rel=1e-5):
+    for kind in ("train", "validation"):
+        first, second = metrics(a, kind), metrics(b, kind)
+        key = "loss_metrics/global_avg_loss" if kind == "train" else "validation_metrics/loss"
+        assert sorted(first) == sorted(second)
+        for step in first:
+            assert second[step][key] == pytest.approx(first[step][key], rel=rel), (kind, step)
+
+
+@pytest.fixture(scope="module")
+def delayed_reference(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("delay") / "run", "training.gradient_delay=1")
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_2bw_equals_delayed_gradient_reference(tmp_path, delayed_reference, stages):
+    run = train(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PipeDream2BW",
+                f"parallelism.pipeline_parallel_degree={stages}", "parallelism.pipeline_parallel_microbatch_size=1",
+                nproc=str(stages), config="debug_cpu_pp2.toml")
+    assert_same_run(delayed_reference, run)
+    reference, pipelined = final_weights(delayed_reference), final_weights(run)
+    assert reference.keys() == pipelined.keys() and len(reference) > 10
+    for key in reference:
+        torch.testing.assert_close(pipelined[key], reference[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_1f1b_equals_no_pipeline(tmp_path):
+    plain = train(tmp_path / "plain")
+    pipelined = train(tmp_path / "pp", "parallelism.pipeline_parallel_microbatch_size=1", nproc="2", config="debug_cpu_pp2.toml")
+    assert_same_run(plain, pipelined)
+
+
+def test_delay_changes_the_trajectory(tmp_path, delayed_reference):
+    plain = train(tmp_path / "plain")
+    assert losses(plain)[1] == pytest.approx(losses(delayed_reference)[1], rel=1e-6)
+    assert losses(plain)[STEPS] != pytest.approx(losses(delayed_reference)[STEPS], rel=1e-4)
+
+
+def test_trace_shows_streaming_order(tmp_path):
+    run = train(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PipeDream2BW", "metrics.pipeline_trace=true",
+                "parallelism.pipeline_parallel_microbatch_size=2", "checkpoint.enable=false", "validation.enable=false",
+                nproc="2", config="debug_cpu_pp2.toml")
+    expected = pipeline_order(num_stages=2, microbatches=4, windows=STEPS)
+    for rank in (0, 1):
+        events = json.loads((run / "pipeline" / f"trace_rank{rank}.json").read_text())["traceEvents"]
+        computed = [e["name"] for e in sorted(events, key=lambda e: e["ts"]) if "O" not in e["name"]]
+        assert computed == names(expected[rank])
+    assert (run / "pipeline" / "trace.json").is_file() and (run / "pipeline" / "timeline.png").is_file()

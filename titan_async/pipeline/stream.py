@@ -1,0 +1,76 @@
+"""The stream of windows: feeds one batch per optimizer step into the stages this process runs.
+
+With one stage per process the actions run in order and block on their inputs; with
+every stage in this process (the emulation) a ready action of some stage runs next,
+which yields the same result as any real timing, because each stage's actions and
+updates depend only on its own stream.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from titan_async.pipeline import actions as plan
+from titan_async.pipeline.executor import Microbatch, StageExecutor
+
+
+class StreamEngine:
+    """Windows, drains and the stage-local optimizer steps of a streaming schedule."""
+
+    def __init__(self, executors: list[StageExecutor], num_stages: int, microbatches: int, optimizer_steps: dict[int, Callable[[], None]]) -> None:
+        self.executors = executors
+        self.num_stages = num_stages
+        self.microbatches = microbatches
+        self.optimizer_steps = optimizer_steps
+        self.window = -1
+        self.drained = True
+        self.loss_kwargs: dict[str, Any] = {}
+
+    def _run(self, actions_by_stage: dict[int, list], microbatches: dict[int, Microbatch]) -> list[torch.Tensor]:
+        queues = {}
+        for executor in self.executors:
+            queues[executor.stage] = deque(actions_by_stage[executor.stage])
+            executor.prefetch(actions_by_stage[executor.stage])
+        losses = []
+        while any(queues.values()):
+            progressed = False
+            for executor in self.executors:
+                queue = queues[executor.stage]
+                if queue and executor.ready(queue[0]):
+                    loss = executor.run_action(queue.popleft(), microbatches, self.loss_kwargs, self.optimizer_steps[executor.stage])
+                    if loss is not None:
+                        losses.append(loss)
+                    progressed = True
+            if not progressed:
+                raise RuntimeError(f"pipeline stream stalled in window {self.window}: {dict(queues)}")
+        return losses
+
+    def run_window(self, window: int, microbatches: list[Microbatch], loss_kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        """Feed batch `window` (0-based training step); returns its microbatches' losses (last stage).
+
+        Microbatch ids are global (window * microbatches + j), so a run resumed from a
+        (drained) checkpoint continues the same ids and weight versions."""
+        self.window = window
+        first = window * self.microbatches
+        self.loss_kwargs = loss_kwargs
+        actions = {
+            e.stage: plan.window_actions(e.stage, self.num_stages, self.microbatches, self.window, self.drained)
+            for e in self.executors
+        }
+        losses = self._run(actions, dict(enumerate(microbatches, start=first)))
+        self.drained = False
+        return losses
+
+    def drain(self) -> None:
+        """Run the backwards still in flight, so no microbatch crosses this point."""
+        if self.drained:
+            return
+        actions = {e.stage: plan.drain_actions(e.stage, self.num_stages, self.microbatches, self.window) for e in self.executors}
+        self._run(actions, {})
+        for executor in self.executors:
+            executor.transport.finish_sends()
+        self.drained = True
