@@ -120,7 +120,8 @@ def test_owners_are_balanced_by_size():
 
 
 class ToyAttentionAndMlp(nn.Module):
-    """Matrices of the shapes Muon meets, including rows that do not split evenly over 2 ranks."""
+    """Matrices of the shapes Muon meets: wide, tall (transposed inside Newton-Schulz), fused QKV,
+    and row counts that do not split evenly over 2 ranks."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -128,6 +129,7 @@ class ToyAttentionAndMlp(nn.Module):
         self.w1 = nn.Linear(32, 24, bias=False)
         self.w2 = nn.Linear(24, 7, bias=False)
         self.w3 = nn.Linear(7, 13, bias=False)
+        self.w4 = nn.Linear(13, 20, bias=False)
 
 
 def _muon_with_error_feedback(model: nn.Module) -> ErrorFeedback:

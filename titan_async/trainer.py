@@ -29,6 +29,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from titan_async.init import canonical_name, reinitialize_by_name
+from titan_async.optim import write_param_group_table
 from titan_async.pipeline.config import microbatches
 from titan_async.pipeline.emulation import stage_modules, stage_view
 from titan_async.pipeline.executor import Microbatch, StageExecutor
@@ -126,13 +127,14 @@ class AsyncTrainer(Trainer):
             self.validator.last_step = config.training.steps
         self.stop_request = StopRequest()
         self.stopped_by_signal: int | None = None
-        self.stage_grad_norm = torch.tensor(0.0)
+        self.stage_grad_norms: dict[int, torch.Tensor] = {}
         self.stream: StreamEngine | None = None
         self.delay: TwoVersions | None = None
         self.timeline = None
         policies = self._attach_weight_policies()
         if policies and self.checkpointer.enable:
             self.checkpointer.states["weight_versions"] = WeightVersionState(policies, self)
+        write_param_group_table(self.optimizers, config.dump_folder)
 
     def _attach_weight_policies(self) -> dict[int, tuple[Any, list[str]]]:
         """Stage -> (weight policy, parameter names) of a streaming schedule, its emulation,
@@ -140,8 +142,9 @@ class AsyncTrainer(Trainer):
         config = self.config
         if isinstance(getattr(self, "pp_schedule", None), StreamingSchedule):
             schedule, stage = self.pp_schedule, self.pp_schedule._stage.stage_index
+            every_optimizer = list(range(len(self.optimizers.optimizers)))
             self.stream = schedule.attach(
-                optimizer_step=lambda: self._stage_optimizer_step(0, schedule.policy),
+                optimizer_step=lambda: self._stage_optimizer_step(stage, every_optimizer, schedule.policy),
                 accumulation=config.parallelism.paci.accumulation,
                 keep_trace=config.metrics.pipeline_trace,
             )
@@ -174,7 +177,8 @@ class AsyncTrainer(Trainer):
             executors.append(
                 StageExecutor(view, stage, len(views), LocalTransport(mailbox, stage), policy, self._emulated_loss, Timeline(0, False))
             )
-            steps[stage] = lambda stage=stage, policy=policy: self._stage_optimizer_step(stage, policy)
+            owned = self._optimizers_of(view)
+            steps[stage] = lambda stage=stage, owned=owned, policy=policy: self._stage_optimizer_step(stage, owned, policy)
         self.stream = StreamEngine(executors, len(views), m, steps)
         return policies
 
@@ -182,17 +186,27 @@ class AsyncTrainer(Trainer):
         loss, _ = self.loss_fn(pred, labels, **loss_kwargs)
         return loss
 
-    def _stage_optimizer_step(self, part: int, policy) -> None:
-        """Clip stage `part`'s gradient on its own, step its optimizer, zero it, and advance its
-        learning rate by the batches the stage has now completed (streaming schedules)."""
-        optimizer = self.optimizers.optimizers[part]
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.stage_grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.training.max_norm, foreach=True)
-        optimizer.step()
-        optimizer.zero_grad()
-        scheduler = self.lr_schedulers.schedulers[part]
-        while scheduler.last_epoch < policy.lr_steps_due():
-            scheduler.step()
+    def _optimizers_of(self, stage: torch.nn.Module) -> list[int]:
+        """Indices of the optimizers (and their lr schedulers) that update `stage`'s parameters."""
+        owned = {id(p) for p in stage.parameters()}
+        return [
+            i for i, optimizer in enumerate(self.optimizers.optimizers)
+            if all(id(p) in owned for group in optimizer.param_groups for p in group["params"])
+        ]
+
+    def _stage_optimizer_step(self, stage: int, indices: list[int], policy) -> None:
+        """Clip one stage's gradient on its own, step and zero its optimizers, and advance their
+        learning rates by the batches the stage has now completed (streaming schedules)."""
+        optimizers = [self.optimizers.optimizers[i] for i in indices]
+        params = [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
+        self.stage_grad_norms[stage] = torch.nn.utils.clip_grad_norm_(params, self.config.training.max_norm, foreach=True)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        for i in indices:
+            scheduler = self.lr_schedulers.schedulers[i]
+            while scheduler.last_epoch < policy.lr_steps_due():
+                scheduler.step()
 
     def _must_drain(self) -> bool:
         """Whether the step just taken is followed by a checkpoint, validation or the end."""
@@ -208,6 +222,8 @@ class AsyncTrainer(Trainer):
             self._delayed_train_step(data_iterator)
         else:
             super().train_step(data_iterator)
+        if self.parallel_dims.pp_enabled:
+            self._record_rank_step()
 
     def _delayed_train_step(self, data_iterator) -> None:
         """One step of W[k+1] = W[k] - Opt(grad f_k(W[k-1])): torchtitan's step with the
@@ -244,10 +260,10 @@ class AsyncTrainer(Trainer):
         extra = {"n_tokens_seen": self.ntokens_seen, **lr_metrics}
         if bubble is not None:
             extra["pipeline/bubble"] = bubble
-            self._record_window(bubble)
         if self.metrics_processor.should_log(self.step):
             loss = float(torch.stack(losses).sum()) if losses else -1.0
-            self.metrics_processor.log(self.step, loss, loss, float(self.stage_grad_norm), extra_metrics=extra)
+            grad_norm = float(self.stage_grad_norms[max(self.stage_grad_norms)]) if self.stage_grad_norms else 0.0
+            self.metrics_processor.log(self.step, loss, loss, grad_norm, extra_metrics=extra)
 
     def _split_for_emulation(self, batches: list) -> list:
         """The emulation loads whole batches (no PP): cut each into its pipeline microbatches."""
@@ -267,13 +283,19 @@ class AsyncTrainer(Trainer):
             if isinstance(executor.policy, TwoVersions):
                 executor.policy.activate(self.step + 1)
 
-    def _record_window(self, bubble: float) -> None:
-        """Append this rank's bubble of the window to <run-dir>/pipeline/rank<R>.jsonl."""
+    def _record_rank_step(self) -> None:
+        """Append this rank's step end time, peak memory and (streaming) bubble to
+        <run-dir>/pipeline/rank<R>.jsonl: the per-rank view that metrics.jsonl lacks."""
         folder = Path(self.config.dump_folder) / "pipeline"
         folder.mkdir(exist_ok=True)
-        memory = self.metrics_processor.device_memory_monitor.get_peak_stats().max_reserved_gib
+        record = {
+            "step": self.step,
+            "time": time.time(),
+            "memory_gib": self.metrics_processor.device_memory_monitor.get_peak_stats().max_reserved_gib,
+            "bubble": self.timeline.bubble() if self.timeline else None,
+        }
         with open(folder / f"rank{dist.get_rank()}.jsonl", "a") as f:
-            f.write(json.dumps({"step": self.step, "bubble": bubble, "memory_gib": memory, "time": time.time()}) + "\n")
+            f.write(json.dumps(record) + "\n")
 
     def should_continue_training(self) -> bool:
         if self.step >= self.config.training.steps:

@@ -12,10 +12,22 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 
 import torch
 from torch.autograd import _unsafe_preserve_version_counter
+
+
+@contextmanager
+def preserved_versions(params: list[torch.nn.Parameter]):
+    """Let an optimizer update parameters in place without invalidating the graphs that saved them.
+
+    Autograd saved the parameter objects of in-flight microbatches; 2BW updates a buffer
+    none of them uses, and PACI's semantics is that their backward sees the new weights."""
+    with ExitStack() as stack:
+        for param in params:
+            stack.enter_context(_unsafe_preserve_version_counter(param))
+        yield
 
 
 class TwoVersions:
@@ -57,7 +69,8 @@ class TwoVersions:
             target.copy_(source)
         self.activate(batch)
         self.updates += 1
-        optimizer_step()
+        with preserved_versions(self.params):
+            optimizer_step()
 
     def lr_steps_due(self) -> int:
         """Learning-rate steps owed so far: one per batch applied (counting the one being applied)."""
@@ -65,8 +78,12 @@ class TwoVersions:
 
     def state_dict(self, names: list[str], step: int) -> dict[str, torch.Tensor]:
         """After `step` steps the parameters hold the latest version U_{step+1} = W[step];
-        this is the other one, U_step, which the next batch still uses."""
-        return dict(zip(names, self.buffers[step % 2]))
+        this is the other one, U_step, which the next batch still uses. Never aliases the live
+        parameters (a load fills these tensors while the model's own entries fill the parameters)."""
+        tensors = self.buffers[step % 2]
+        if step % 2 == self.active:
+            tensors = [t.clone() for t in tensors]
+        return dict(zip(names, tensors))
 
     def load_state_dict(self, state: dict[str, torch.Tensor], names: list[str], step: int) -> None:
         """Restore both versions after a checkpoint at `step` loaded U_{step+1} into the parameters."""
@@ -96,10 +113,8 @@ class LocalAccumulation:
         return self.count // self.accumulation if self.count % self.accumulation == 0 else None
 
     def apply_update(self, batch: int, optimizer_step: Callable[[], None]) -> None:
-        """Update in place without bumping version counters, so in-flight backwards read the new weights."""
-        with ExitStack() as stack:
-            for param in self.params:
-                stack.enter_context(_unsafe_preserve_version_counter(param))
+        """Update in place; in-flight backwards read the new weights."""
+        with preserved_versions(self.params):
             optimizer_step()
 
     def lr_steps_due(self) -> int:

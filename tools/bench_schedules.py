@@ -1,0 +1,126 @@
+"""Throughput, bubble and memory of pipeline schedules on the same model, data and microbatches.
+
+    python tools/bench_schedules.py --stages 2 --microbatches 4 --reps 3
+
+Runs `titan-async train` once per schedule and repetition, interleaving the
+schedules so machine noise hits them alike, and prints (and saves as CSV and PNG)
+the median tokens/s, its ratio to 1F1B measured in the same invocation, the
+measured bubble per rank (streaming schedules time every action; the synchronous
+ones show the (p-1)/(m+p-1) prediction in brackets), and the peak memory per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "PipeDream2BW", "PACI"]
+STREAMING = {"PipeDream2BW", "PACI"}
+
+
+def run(schedule: str, args, run_dir: Path) -> dict:
+    """Train once; returns tokens/s and per-rank bubble and memory over the measured steps."""
+    settings = [
+        f"parallelism.pipeline_parallel_degree={args.stages}",
+        f"parallelism.pipeline_parallel_schedule={schedule}",
+        f"parallelism.pipeline_parallel_microbatch_size={args.microbatch_size}",
+        f"training.local_batch_size={args.microbatch_size * args.microbatches}",
+        f"training.steps={args.steps}",
+        f"training.seq_len={args.seq_len}",
+        f"model.dim={args.dim}",
+        f"model.n_layers={args.layers}",
+        "checkpoint.enable=false",
+        "validation.enable=false",
+        "metrics.enable_tensorboard=false",
+    ]
+    command = [sys.executable, "-m", "titan_async.cli", "train", "--config", str(REPO / "train_configs" / "debug_cpu_pp2.toml"),
+               "--nproc-per-node", str(args.stages), "--run-dir", str(run_dir)]
+    for setting in settings:
+        command += ["--set", setting]
+    subprocess.run(command, check=True, cwd=REPO, capture_output=True)
+    measured = range(args.warmup + 1, args.steps)  # the last step also drains
+    per_rank = {}
+    for path in sorted((run_dir / "pipeline").glob("rank*.jsonl")):
+        rows = {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
+        per_rank[int(path.stem[4:])] = rows
+    times = [per_rank[0][s]["time"] - per_rank[0][s - 1]["time"] for s in measured]
+    tokens = args.microbatch_size * args.microbatches * args.seq_len
+    return {
+        "tokens_per_s": tokens * len(times) / sum(times),
+        "bubble": {r: statistics.median(rows[s]["bubble"] for s in measured) if schedule in STREAMING else None for r, rows in per_rank.items()},
+        "memory_gib": {r: max(rows[s]["memory_gib"] for s in measured) for r, rows in per_rank.items()},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--microbatch-size", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--schedules", default=",".join(SCHEDULES))
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "results")
+    args = parser.parse_args()
+    schedules = args.schedules.split(",")
+    results: dict[str, list[dict]] = {s: [] for s in schedules}
+    with tempfile.TemporaryDirectory() as scratch:
+        for rep in range(args.reps):
+            for schedule in schedules if rep % 2 == 0 else reversed(schedules):
+                results[schedule].append(run(schedule, args, Path(scratch) / f"{schedule}-{rep}"))
+                print(f"rep {rep} {schedule}: {results[schedule][-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
+    report(results, args)
+
+
+def report(results: dict[str, list[dict]], args) -> None:
+    p, m = args.stages, args.microbatches
+    predicted = (p - 1) / (m + p - 1)
+    baseline = statistics.median(r["tokens_per_s"] for r in results["1F1B"]) if "1F1B" in results else None
+    rows = []
+    for schedule, runs in results.items():
+        speed = statistics.median(r["tokens_per_s"] for r in runs)
+        ranks = sorted(runs[0]["memory_gib"])
+        bubbles = [
+            f"{statistics.median(r['bubble'][k] for r in runs):.1%}" if schedule in STREAMING else f"[{predicted:.0%}]" for k in ranks
+        ]
+        memory = [f"{max(r['memory_gib'][k] for r in runs):.2f}" for k in ranks]
+        rows.append([schedule, f"{speed:,.0f}", f"{speed / baseline:.3f}" if baseline else "-", " ".join(bubbles), " ".join(memory)])
+    header = ["schedule", "tokens/s", "vs 1F1B", "bubble per rank", "peak GiB per rank"]
+    widths = [max(len(str(row[i])) for row in rows + [header]) for i in range(len(header))]
+    print(f"\np={p} m={m}, median of {args.reps} interleaved runs; ceiling of streaming vs 1F1B: {(m + p - 1) / m:.3f}")
+    for row in [header] + rows:
+        print("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"bench_schedules_p{p}_m{m}"
+    with open(stem.with_suffix(".csv"), "w", newline="") as f:
+        csv.writer(f).writerows([header] + rows)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    speeds = [float(row[1].replace(",", "")) for row in rows]
+    ax.bar([row[0] for row in rows], speeds, color=["tab:gray" if row[0] not in STREAMING else "tab:blue" for row in rows])
+    for i, row in enumerate(rows):
+        ax.text(i, speeds[i], row[2], ha="center", va="bottom")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"pipeline schedules, p={p}, m={m} (labels: ratio to 1F1B)")
+    fig.tight_layout()
+    fig.savefig(stem.with_suffix(".png"), dpi=120)
+    print(f"saved {stem}.csv and {stem}.png")
+
+
+if __name__ == "__main__":
+    main()
