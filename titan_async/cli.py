@@ -43,6 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--prompt", default="def main():", help="prompt for the greedy continuation")
     evaluate.add_argument("--max-new-tokens", type=int, default=32)
 
+    report = commands.add_parser("report", help="an HTML page with a run's curves, config and optimizer groups")
+    report.add_argument("--run-dir", type=Path, required=True)
+    report.add_argument("--out", type=Path, help="HTML file to write, PNGs beside it (default: RUN/report/report.html)")
+
     config = commands.add_parser("config", help="inspect configs")
     config_commands = config.add_subparsers(dest="config_command", required=True)
     config_args(config_commands.add_parser("show", help="print the resolved config"))
@@ -113,11 +117,12 @@ def _launch(directory: Path, nproc: int, verbose: bool, run) -> int:
     if not launch.is_coordinator():
         return status
     _draw_pipeline_trace(directory)
-    step = runs.stopped_step(directory)
-    if step is not None:
-        print(f"stopped at step {step} with a checkpoint; continue with: titan-async resume --run-dir {directory}")
-        return 130
-    return status
+    stop = runs.early_stop(directory)
+    if stop is None:
+        return status
+    cause = "signal" if stop["reason"] == "signal" else f"too many steps with non-finite gradients (see {directory}/logs)"
+    print(f"stopped at step {stop['step']} by {cause}, with a checkpoint; continue with: titan-async resume --run-dir {directory}")
+    return 130 if stop["reason"] == "signal" else 3
 
 
 def _draw_pipeline_trace(directory: Path) -> None:
@@ -137,6 +142,13 @@ def _eval(args) -> int:
     return evaluate_checkpoint(args.checkpoint, as_json=args.json, prompt=args.prompt, max_new_tokens=args.max_new_tokens)
 
 
+def _report(args) -> int:
+    from titan_async.report import write_report
+
+    print(f"report: {write_report(args.run_dir, args.out)}")
+    return 0
+
+
 def _config_show(args) -> int:
     from rich.console import Console
     from rich.syntax import Syntax
@@ -153,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.ERROR)
     worker.quiet_library_noise()
     platform.configure()
-    handlers = {"train": _train, "resume": _resume, "eval": _eval, "config": _config_show}
+    handlers = {"train": _train, "resume": _resume, "eval": _eval, "config": _config_show, "report": _report}
     try:
         sys.exit(handlers[args.command](args))
     except UserError as err:

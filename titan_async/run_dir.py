@@ -71,8 +71,9 @@ def record_world_size(run_dir: Path, world_size: int) -> None:
     write_atomic(run_dir / LAUNCH_FILE, json.dumps({**launch, "world_size": world_size}))
 
 
-def record_stop(run_dir: Path, step: int, signum: int) -> None:
-    write_atomic(run_dir / STOPPED_FILE, json.dumps({"step": step, "signal": signum}))
+def record_stop(run_dir: Path, step: int, reason: str) -> None:
+    """Remember that the run stopped early at `step` ("signal" or "nonfinite"), with a checkpoint."""
+    write_atomic(run_dir / STOPPED_FILE, json.dumps({"step": step, "reason": reason}))
 
 
 def load_launch(run_dir: Path) -> dict:
@@ -87,7 +88,7 @@ def clear_stop(run_dir: Path) -> None:
     (run_dir / STOPPED_FILE).unlink(missing_ok=True)
 
 
-def stopped_step(run_dir: Path) -> int | None:
-    """The step at which a signal stopped the last launch, if one did."""
+def early_stop(run_dir: Path) -> dict | None:
+    """{"step", "reason"} if the last launch stopped early, else None."""
     path = run_dir / STOPPED_FILE
-    return json.loads(path.read_text())["step"] if path.is_file() else None
+    return json.loads(path.read_text()) if path.is_file() else None

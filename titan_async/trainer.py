@@ -17,7 +17,7 @@ import json
 import random
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from titan_async.health import HealthGuard, HealthSection
 from titan_async.init import canonical_name, reinitialize_by_name
 from titan_async.optim import write_param_group_table
 from titan_async.pipeline.config import microbatches
@@ -82,14 +83,17 @@ class WeightVersionState(Stateful):
 
 
 class StopRequest:
-    """Turns SIGINT/SIGTERM into a request that all ranks see at the same step.
+    """Turns SIGINT/SIGTERM, or too many non-finite gradients, into a stop that all ranks
+    see at the same step.
 
     Launchers forward a Ctrl-C that the terminal already delivered, so a repeat
     within `patience` seconds is the same request; a later one aborts at once.
     """
 
+    REASONS = (None, "signal", "nonfinite")
+
     def __init__(self, patience: float = 3.0) -> None:
-        self.signal: int | None = None
+        self.reason: str | None = None
         self.received_at = 0.0
         self.patience = patience
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -97,17 +101,20 @@ class StopRequest:
 
     def _handle(self, signum: int, frame) -> None:
         now = time.monotonic()
-        if self.signal is not None and now - self.received_at > self.patience:
+        if self.reason is not None and now - self.received_at > self.patience:
             raise KeyboardInterrupt
-        if self.signal is None:
-            self.signal, self.received_at = signum, now
+        if self.reason is None:
+            self.reason, self.received_at = "signal", now
 
-    def agreed(self) -> bool:
-        """True on every rank once any rank was signalled (one all-reduce per call)."""
-        flag = torch.tensor([0 if self.signal is None else 1])
+    def request(self, reason: str) -> None:
+        self.reason = self.reason or reason
+
+    def agreed(self, device: torch.device) -> str | None:
+        """The reason to stop that any rank has, on every rank (one all-reduce per call)."""
+        code = torch.tensor([self.REASONS.index(self.reason)], device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+            dist.all_reduce(code, op=dist.ReduceOp.MAX)
+        return self.REASONS[int(code.item())]
 
 
 class AsyncTrainer(Trainer):
@@ -115,7 +122,7 @@ class AsyncTrainer(Trainer):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
-        pass
+        health: HealthSection = field(default_factory=HealthSection)
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
@@ -126,7 +133,8 @@ class AsyncTrainer(Trainer):
         if config.validator.enable:
             self.validator.last_step = config.training.steps
         self.stop_request = StopRequest()
-        self.stopped_by_signal: int | None = None
+        self.stop_reason: str | None = None
+        self.health = HealthGuard(config.health)
         self.stage_grad_norms: dict[int, torch.Tensor] = {}
         self.stream: StreamEngine | None = None
         self.delay: TwoVersions | None = None
@@ -199,9 +207,11 @@ class AsyncTrainer(Trainer):
         learning rates by the batches the stage has now completed (streaming schedules)."""
         optimizers = [self.optimizers.optimizers[i] for i in indices]
         params = [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
-        self.stage_grad_norms[stage] = torch.nn.utils.clip_grad_norm_(params, self.config.training.max_norm, foreach=True)
+        if self.health.allow_update(self.step, stage, params, all_ranks=False):
+            self.stage_grad_norms[stage] = torch.nn.utils.clip_grad_norm_(params, self.config.training.max_norm, foreach=True)
+            for optimizer in optimizers:
+                optimizer.step()
         for optimizer in optimizers:
-            optimizer.step()
             optimizer.zero_grad()
         for i in indices:
             scheduler = self.lr_schedulers.schedulers[i]
@@ -221,9 +231,33 @@ class AsyncTrainer(Trainer):
         elif self.delay is not None:
             self._delayed_train_step(data_iterator)
         else:
-            super().train_step(data_iterator)
+            self._synchronous_train_step(data_iterator, lambda step_optimizer: step_optimizer())
+        if self.health.exhausted():
+            self.stop_request.request("nonfinite")
         if self.parallel_dims.pp_enabled:
             self._record_rank_step()
+
+    def _synchronous_train_step(self, data_iterator, update) -> None:
+        """torchtitan's step, with `update(optimizer_step)` in place of the optimizer step and
+        the update skipped on every rank when any gradient is not finite."""
+        step_optimizer = self.optimizers.step
+        # The optimizer's own parameters: FSDP may leave other (unsharded) ones registered on the modules.
+        params = [p for optimizer in self.optimizers.optimizers for group in optimizer.param_groups for p in group["params"]]
+        stage = self.pp_schedule._stage.stage_index if self.parallel_dims.pp_enabled else 0
+        skipped = self.health.skipped
+
+        def guarded_update() -> None:
+            if self.health.allow_update(self.step, stage, params, all_ranks=True):
+                update(step_optimizer)
+
+        self.optimizers.step = guarded_update
+        try:
+            super().train_step(data_iterator)
+        except RuntimeError as err:
+            if self.health.skipped == skipped or "Loss is not finite" not in str(err):
+                raise
+        finally:
+            del self.optimizers.step
 
     def _delayed_train_step(self, data_iterator) -> None:
         """One step of W[k+1] = W[k] - Opt(grad f_k(W[k-1])): torchtitan's step with the
@@ -231,12 +265,7 @@ class AsyncTrainer(Trainer):
         Afterwards the parameters hold the latest version, W[step], as a checkpoint expects."""
         batch = self.step - 1
         self.delay.activate(batch)
-        step_optimizer = self.optimizers.step
-        self.optimizers.step = lambda: self.delay.apply_update(batch, step_optimizer)
-        try:
-            super().train_step(data_iterator)
-        finally:
-            del self.optimizers.step
+        self._synchronous_train_step(data_iterator, lambda step_optimizer: self.delay.apply_update(batch, step_optimizer))
         self.delay.activate(self.step + 1)
 
     def _streaming_train_step(self, data_iterator) -> None:
@@ -300,9 +329,10 @@ class AsyncTrainer(Trainer):
     def should_continue_training(self) -> bool:
         if self.step >= self.config.training.steps:
             return False
-        if self.step > 0 and self.stop_request.agreed():
-            self.stopped_by_signal = self.stop_request.signal or signal.SIGTERM
-            logger.warning(f"Stop requested at step {self.step}; saving a checkpoint before exiting")
+        reason = self.stop_request.agreed(self.device) if self.step > 0 else None
+        if reason:
+            self.stop_reason = reason
+            logger.warning(f"Stopping at step {self.step} ({reason}); saving a checkpoint before exiting")
             if self.stream is not None:
                 self._drain()
             self.checkpointer.save(self.step, last_step=True)

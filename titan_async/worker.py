@@ -65,8 +65,8 @@ def train(run_dir: Path, verbose: bool = False, run=None) -> int:
         trainer.train()
     finally:
         trainer.close()
-    if trainer.stopped_by_signal is not None and dist.get_rank() == 0:
-        runs.record_stop(run_dir, trainer.step, trainer.stopped_by_signal)
+    if trainer.stop_reason is not None and dist.get_rank() == 0:
+        runs.record_stop(run_dir, trainer.step, trainer.stop_reason)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

@@ -85,14 +85,17 @@ def main() -> None:
 
 def report(results: dict[str, list[dict]], args) -> None:
     p, m = args.stages, args.microbatches
-    predicted = (p - 1) / (m + p - 1)
+    predicted = {"Interleaved1F1B": (p - 1) / (2 * m + p - 1)}  # two stages per rank
     baseline = statistics.median(r["tokens_per_s"] for r in results["1F1B"]) if "1F1B" in results else None
     rows = []
     for schedule, runs in results.items():
         speed = statistics.median(r["tokens_per_s"] for r in runs)
         ranks = sorted(runs[0]["memory_gib"])
         bubbles = [
-            f"{statistics.median(r['bubble'][k] for r in runs):.1%}" if schedule in STREAMING else f"[{predicted:.0%}]" for k in ranks
+            f"{statistics.median(r['bubble'][k] for r in runs):.1%}"
+            if schedule in STREAMING
+            else f"[{predicted.get(schedule, (p - 1) / (m + p - 1)):.0%}]"
+            for k in ranks
         ]
         memory = [f"{max(r['memory_gib'][k] for r in runs):.2f}" for k in ranks]
         rows.append([schedule, f"{speed:,.0f}", f"{speed / baseline:.3f}" if baseline else "-", " ".join(bubbles), " ".join(memory)])

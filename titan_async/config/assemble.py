@@ -55,6 +55,7 @@ def trainer_config(run: RunConfig, run_dir: Path) -> AsyncTrainer.Config:
             compile=run.compile,
             debug=run.debug,
             comm=run.comm,
+            health=run.health,
         )
     except ValueError as err:
         raise UserError(f"{run.source}: {err}") from None

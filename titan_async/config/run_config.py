@@ -17,6 +17,7 @@ from titan_async import platform
 from titan_async.config.fields import closest, coerce, describe, settable_fields, subsections, type_name
 from titan_async.data.sources import DataSection
 from titan_async.errors import UserError
+from titan_async.health import HealthSection
 from titan_async.model import ModelSection
 from titan_async.optimizer import OptimizerSection
 from titan_async.pipeline.config import DelayTraining, PipelineParallelism, check_pipeline, microbatches
@@ -47,6 +48,7 @@ def _default_sections() -> dict[str, Any]:
         "compile": CompileConfig(),
         "debug": DebugConfig(seed=0),
         "comm": CommConfig(),
+        "health": HealthSection(),
     }
 
 
@@ -70,6 +72,7 @@ class RunConfig:
     compile: CompileConfig
     debug: DebugConfig
     comm: CommConfig
+    health: HealthSection
     source: str = field(default="<defaults>")
 
     def sections(self) -> dict[str, Any]:

@@ -1,0 +1,50 @@
+"""A non-finite gradient skips the update; past the limit the run stops with a resumable checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import CONFIGS, TINY, losses, run_cli, sets
+
+
+def model_weights(checkpoint) -> dict[str, torch.Tensor]:
+    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata()
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(("tok_embeddings", "layers", "norm", "lm_head")) and hasattr(meta, "size")
+    }
+    dcp.load(state, checkpoint_id=str(checkpoint))
+    return state
+
+
+def test_nan_gradient_skips_update_then_stops_resumably(tmp_path):
+    run = tmp_path / "run"
+    result = run_cli(
+        "train", "--run-dir", str(run),
+        *sets(*TINY, "training.steps=10", "checkpoint.interval=1", "checkpoint.keep_latest_k=0",
+              "health.inject_nonfinite_steps=[3]", "health.max_nonfinite_steps=0"),
+        check=False,
+    )
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "non-finite gradients" in result.stdout
+    assert json.loads((run / "stopped.json").read_text()) == {"step": 3, "reason": "nonfinite"}
+    assert "stage 0 (rank 0) has a non-finite gradient" in (run / "logs" / "rank0.log").read_text()
+    before, after = model_weights(run / "checkpoint" / "step-2"), model_weights(run / "checkpoint" / "step-3")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+    run_cli("resume", "--run-dir", str(run), *sets("health.inject_nonfinite_steps=[]", "training.steps=5"))
+    assert sorted(losses(run)) == [1, 2, 3, 4, 5]
+
+
+def test_pipeline_stage_that_saw_it_is_named(tmp_path):
+    run = tmp_path / "run"
+    run_cli(
+        "train", "--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--nproc-per-node", "2", "--run-dir", str(run),
+        *sets(*TINY, "training.steps=4", "health.inject_nonfinite_steps=[2]", "health.inject_stage=1"),
+    )
+    assert "step 2: stage 1 (rank 1) has a non-finite gradient" in (run / "logs" / "rank1.log").read_text()
+    assert sorted(losses(run)) == [1, 2, 3, 4]

@@ -1,0 +1,59 @@
+"""The `[health]` section: non-finite gradients skip the update; too many stop the run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torchtitan.tools.logging import logger
+
+
+@dataclass(kw_only=True, slots=True)
+class HealthSection:
+    """What to do when a loss or gradient is not finite."""
+
+    max_nonfinite_steps: int = 3
+    """Updates skipped for non-finite gradients before the run saves a checkpoint and exits with status 3."""
+    inject_nonfinite_steps: list[int] = field(default_factory=list)
+    """Fault injection for tests: make the gradient of stage `inject_stage` NaN at these steps."""
+    inject_stage: int = 0
+    """Pipeline stage whose gradient `inject_nonfinite_steps` poisons."""
+
+    def __post_init__(self) -> None:
+        if self.max_nonfinite_steps < 0:
+            raise ValueError(f"health.max_nonfinite_steps must be >= 0, got {self.max_nonfinite_steps}")
+
+
+class HealthGuard:
+    """Decides, before each optimizer update, whether the gradients may be applied."""
+
+    def __init__(self, section: HealthSection) -> None:
+        self.section = section
+        self.skipped = 0
+
+    def allow_update(self, step: int, stage: int, params: list[torch.Tensor], all_ranks: bool) -> bool:
+        """False (and the gradients zeroed) when a gradient of `stage` is not finite.
+
+        `all_ranks` makes every rank agree (synchronous training applies one global update);
+        streaming stages decide alone, as they step alone.
+        """
+        grads = [p.grad for p in params if p.grad is not None]
+        if step in self.section.inject_nonfinite_steps and stage == self.section.inject_stage and grads:
+            grads[0].fill_(float("nan"))
+        local_bad = any(not bool(torch.isfinite(g).all()) for g in grads)
+        if local_bad:
+            logger.warning(f"step {step}: stage {stage} (rank {dist.get_rank()}) has a non-finite gradient; update skipped")
+        bad = torch.tensor([int(local_bad)], device=params[0].device if params else None)
+        if all_ranks and dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if not bad.item():
+            return True
+        for g in grads:
+            g.zero_()
+        self.skipped += 1
+        return False
+
+    def exhausted(self) -> bool:
+        """True once more updates were skipped than `max_nonfinite_steps` allows."""
+        return self.skipped > self.section.max_nonfinite_steps
