@@ -234,7 +234,7 @@ class AsyncTrainer(Trainer):
             self._synchronous_train_step(data_iterator, lambda step_optimizer: step_optimizer())
         if self.health.exhausted():
             self.stop_request.request("nonfinite")
-        if self.parallel_dims.pp_enabled:
+        if self.parallel_dims.pp_enabled or self.stream is not None:
             self._record_rank_step()
 
     def _synchronous_train_step(self, data_iterator, update) -> None:
@@ -313,18 +313,47 @@ class AsyncTrainer(Trainer):
                 executor.policy.activate(self.step + 1)
 
     def _record_rank_step(self) -> None:
-        """Append this rank's step end time, peak memory and (streaming) bubble to
-        <run-dir>/pipeline/rank<R>.jsonl: the per-rank view that metrics.jsonl lacks."""
-        folder = Path(self.config.dump_folder) / "pipeline"
-        folder.mkdir(exist_ok=True)
+        """This rank's pipeline scalars for the step (end time, step time, peak memory; with a
+        streaming schedule the bubble, the staleness of the applied gradient and the error-feedback
+        correction norm): appended to <run-dir>/pipeline/rank<R>.jsonl and written to TensorBoard
+        under tb/pipeline/rank<R>, since metrics.jsonl only holds the reporting rank's view."""
+        now, rank = time.time(), dist.get_rank()
         record = {
             "step": self.step,
-            "time": time.time(),
+            "time": now,
+            "step_time_s": now - getattr(self, "_last_step_end", now),
             "memory_gib": self.metrics_processor.device_memory_monitor.get_peak_stats().max_reserved_gib,
-            "bubble": self.timeline.bubble() if self.timeline else None,
         }
-        with open(folder / f"rank{dist.get_rank()}.jsonl", "a") as f:
+        self._last_step_end = now
+        if self.stream is not None:
+            record["bubble"] = self.timeline.bubble() if self.timeline else None
+            record["staleness"] = self._staleness()
+        correction = getattr(self.optimizers, "error_feedback_norm", lambda: None)()
+        if correction is not None:
+            record["ef_correction_norm"] = float(correction)
+        folder = Path(self.config.dump_folder) / "pipeline"
+        folder.mkdir(exist_ok=True)
+        with open(folder / f"rank{rank}.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.config.metrics.enable_tensorboard:
+            if not hasattr(self, "_rank_writer"):
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._rank_writer = SummaryWriter(Path(self.config.dump_folder) / "tb" / "pipeline" / f"rank{rank}")
+            for key, value in record.items():
+                if key not in ("step", "time") and value is not None:
+                    self._rank_writer.add_scalar(f"pipeline/{key}", value, self.step)
+
+    def _staleness(self) -> float:
+        """Optimizer steps between the weights a gradient was computed at and those it updates:
+        1 for PipeDream2BW; for PACI, the mean number of local updates a microbatch crossed
+        between its forward and backward since the last record."""
+        crossed = [n for e in self.stream.executors for n in e.crossed]
+        for executor in self.stream.executors:
+            executor.crossed.clear()
+        if isinstance(self.stream.executors[0].policy, TwoVersions):
+            return 1.0
+        return sum(crossed) / len(crossed) if crossed else 0.0
 
     def should_continue_training(self) -> bool:
         if self.step >= self.config.training.steps:

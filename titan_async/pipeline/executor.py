@@ -57,6 +57,8 @@ class StageExecutor:
         self.loss_fn = loss_fn
         self.timeline = timeline
         self.in_flight: dict[int, _InFlight] = {}
+        self.updates_at_forward: dict[int, int] = {}
+        self.crossed: list[int] = []
 
     def ready(self, action: _Action) -> bool:
         """Whether the input `action` waits for has arrived (always true for blocking transports)."""
@@ -93,6 +95,7 @@ class StageExecutor:
             if self.is_last:
                 output = self.loss_fn(output, microbatch.target, **loss_kwargs)
         self.in_flight[k] = _InFlight(stage_input, output)
+        self.updates_at_forward[k] = self.policy.updates
         if self.is_last:
             return output.detach()
         self.transport.send(ACTIVATION, k, output)
@@ -106,6 +109,7 @@ class StageExecutor:
             torch.autograd.backward(entry.output, grad)
         if not self.is_first:
             self.transport.send(GRADIENT, k, entry.stage_input.grad)
+        self.crossed.append(self.policy.updates - self.updates_at_forward.pop(k))
         completed = self.policy.after_backward(k)
         if completed is not None:
             with self.timeline.action(f"{self.stage}O{completed}"):

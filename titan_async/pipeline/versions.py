@@ -102,6 +102,7 @@ class LocalAccumulation:
         self.accumulation = accumulation
         self.microbatches = microbatches
         self.count = 0
+        self.updates = 0
 
     def before_forward(self, microbatch: int) -> None:
         pass
@@ -114,6 +115,7 @@ class LocalAccumulation:
 
     def apply_update(self, batch: int, optimizer_step: Callable[[], None]) -> None:
         """Update in place; in-flight backwards read the new weights."""
+        self.updates += 1
         with preserved_versions(self.params):
             optimizer_step()
 
@@ -130,6 +132,7 @@ class LocalAccumulation:
 
     def load_state_dict(self, state: dict[str, torch.Tensor], names: list[str], step: int) -> None:
         self.count = int(state["count"])
+        self.updates = self.count // self.accumulation
         for name, param in zip(names, self.params):
             param.grad = state[f"grad.{name}"].clone()
 
