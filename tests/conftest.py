@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
 from titan_async import platform
 
@@ -50,3 +52,15 @@ def metrics(run_dir: Path, kind: str = "train") -> dict[int, dict]:
 
 def losses(run_dir: Path) -> dict[int, float]:
     return {step: row["loss_metrics/global_avg_loss"] for step, row in metrics(run_dir).items()}
+
+
+def checkpoint_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The model tensors stored in a DCP checkpoint directory, read in this process."""
+    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata()
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(("tok_embeddings", "layers", "norm", "lm_head")) and hasattr(meta, "size")
+    }
+    dcp.load(state, checkpoint_id=str(checkpoint))
+    return state

@@ -5,20 +5,8 @@ from __future__ import annotations
 import json
 
 import torch
-import torch.distributed.checkpoint as dcp
 
-from conftest import CONFIGS, TINY, losses, run_cli, sets
-
-
-def model_weights(checkpoint) -> dict[str, torch.Tensor]:
-    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata()
-    state = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in metadata.state_dict_metadata.items()
-        if key.startswith(("tok_embeddings", "layers", "norm", "lm_head")) and hasattr(meta, "size")
-    }
-    dcp.load(state, checkpoint_id=str(checkpoint))
-    return state
+from conftest import CONFIGS, TINY, checkpoint_weights, losses, run_cli, sets
 
 
 def test_nan_gradient_skips_update_then_stops_resumably(tmp_path):
@@ -33,7 +21,7 @@ def test_nan_gradient_skips_update_then_stops_resumably(tmp_path):
     assert "non-finite gradients" in result.stdout
     assert json.loads((run / "stopped.json").read_text()) == {"step": 3, "reason": "nonfinite"}
     assert "stage 0 (rank 0) has a non-finite gradient" in (run / "logs" / "rank0.log").read_text()
-    before, after = model_weights(run / "checkpoint" / "step-2"), model_weights(run / "checkpoint" / "step-3")
+    before, after = checkpoint_weights(run / "checkpoint" / "step-2"), checkpoint_weights(run / "checkpoint" / "step-3")
     assert all(torch.equal(before[k], after[k]) for k in before)
 
     run_cli("resume", "--run-dir", str(run), *sets("health.inject_nonfinite_steps=[]", "training.steps=5"))

@@ -6,9 +6,8 @@ import json
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
-from conftest import CONFIGS, TINY, losses, metrics, run_cli, sets
+from conftest import CONFIGS, TINY, checkpoint_weights, losses, metrics, run_cli, sets
 from titan_async.pipeline.actions import drain_actions, pipeline_order, window_actions
 
 
@@ -76,15 +75,7 @@ def train(run_dir, *assignments, nproc="1", config="debug_cpu.toml"):
 
 
 def final_weights(run_dir) -> dict[str, torch.Tensor]:
-    checkpoint = run_dir / "checkpoint" / f"step-{STEPS}"
-    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata()
-    state = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in metadata.state_dict_metadata.items()
-        if key.startswith(("tok_embeddings", "layers", "norm", "lm_head")) and hasattr(meta, "size")
-    }
-    dcp.load(state, checkpoint_id=str(checkpoint))
-    return state
+    return checkpoint_weights(run_dir / "checkpoint" / f"step-{STEPS}")
 
 
 def assert_same_run(a, b, rel=1e-5):
