@@ -47,6 +47,14 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--run-dir", type=Path, required=True)
     report.add_argument("--out", type=Path, help="HTML file to write, PNGs beside it (default: RUN/report/report.html)")
 
+    plan = commands.add_parser("plan", help="per-GPU memory, bubbles and a fake-process-group dry run of a config's layout")
+    config_args(plan)
+    plan.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
+    plan.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node (default: 1)")
+    plan.add_argument("--gpu-memory", default="80GiB", help="memory per GPU, e.g. 80GiB or 141GB (default: 80GiB)")
+    plan.add_argument("--strict", action="store_true", help="exit with status 1 if some GPU would run out of memory")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+
     config = commands.add_parser("config", help="inspect configs")
     config_commands = config.add_subparsers(dest="config_command", required=True)
     config_args(config_commands.add_parser("show", help="print the resolved config"))
@@ -78,12 +86,12 @@ def _train(args) -> int:
 
     path = _config_path(args.config)
     run = load_run_config(path, args.set)
-    nproc = args.nproc_per_node or 1
+    nproc = args.nproc_per_node or launch.local_workers()
     run.check(launch.world_size(nproc))
     directory = args.run_dir or runs.new_run_dir(path.stem, launch.job_id())
     if launch.is_coordinator():
         runs.claim(directory, args.overwrite)
-    trainer_config(run, directory)
+    trainer_config(run, directory, launch.world_size(nproc))
     if launch.is_coordinator():
         runs.save_launch(directory, render_toml(run), nproc)
         print(f"run directory: {directory}", flush=True)
@@ -102,7 +110,7 @@ def _resume(args) -> int:
     nproc = args.nproc_per_node or settings["nproc_per_node"]
     run = load_run_config(args.run_dir / "config.toml", args.set)
     run.check(launch.world_size(nproc))
-    trainer_config(run, args.run_dir)
+    trainer_config(run, args.run_dir, launch.world_size(nproc))
     if launch.is_coordinator():
         runs.save_launch(args.run_dir, render_toml(run), nproc)
         runs.clear_stop(args.run_dir)
@@ -149,6 +157,14 @@ def _report(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    from titan_async.config.run_config import load_run_config
+    from titan_async.plan import Cluster, run_plan
+
+    cluster = Cluster.parse(args.nodes, args.gpus_per_node, args.gpu_memory)
+    return run_plan(load_run_config(_config_path(args.config), args.set), cluster, args.strict, args.json)
+
+
 def _config_show(args) -> int:
     from rich.console import Console
     from rich.syntax import Syntax
@@ -165,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.ERROR)
     worker.quiet_library_noise()
     platform.configure()
-    handlers = {"train": _train, "resume": _resume, "eval": _eval, "config": _config_show, "report": _report}
+    handlers = {"train": _train, "resume": _resume, "eval": _eval, "config": _config_show, "report": _report, "plan": _plan}
     try:
         sys.exit(handlers[args.command](args))
     except UserError as err:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torchtitan.tools.logging import logger
 
 
@@ -32,21 +33,22 @@ class HealthGuard:
         self.section = section
         self.skipped = 0
 
-    def allow_update(self, step: int, stage: int, params: list[torch.Tensor], all_ranks: bool) -> bool:
+    def allow_update(self, step: int, stage: int, params: list[torch.Tensor], group: dist.ProcessGroup | None) -> bool:
         """False (and the gradients zeroed) when a gradient of `stage` is not finite.
 
-        `all_ranks` makes every rank agree (synchronous training applies one global update);
-        streaming stages decide alone, as they step alone.
+        The ranks of `group` agree: the whole world in synchronous training (one global
+        update), a stage's data-parallel ranks for streaming schedules (each stage steps
+        alone), none (None) for a stage without data parallelism.
         """
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
         if step in self.section.inject_nonfinite_steps and stage == self.section.inject_stage and grads:
             grads[0].fill_(float("nan"))
         local_bad = any(not bool(torch.isfinite(g).all()) for g in grads)
         if local_bad:
             logger.warning(f"step {step}: stage {stage} (rank {dist.get_rank()}) has a non-finite gradient; update skipped")
         bad = torch.tensor([int(local_bad)], device=params[0].device if params else None)
-        if all_ranks and dist.get_world_size() > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
         if not bad.item():
             return True
         for g in grads:

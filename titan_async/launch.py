@@ -38,6 +38,11 @@ def describe_process() -> str:
     )
 
 
+def local_workers() -> int:
+    """Workers on this node: torchrun's LOCAL_WORLD_SIZE under an external launcher, else 1."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if launched_externally() else 1
+
+
 def world_size(nproc_per_node: int) -> int:
     """Processes that will run the job."""
     return int(os.environ["WORLD_SIZE"]) if launched_externally() else nproc_per_node

@@ -31,6 +31,8 @@ PRESETS: dict[str, dict[str, object]] = {
     "3B": dict(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, multiple_of=1024, ffn_dim_multiplier=1.0, vocab_size=128256, weight_tying=True),
     "8B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, multiple_of=1024, ffn_dim_multiplier=1.3, vocab_size=128256, weight_tying=False),
     "70B": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, multiple_of=4096, ffn_dim_multiplier=1.3, vocab_size=128256, weight_tying=False),
+    # Not a torchtitan flavor: the ~10B target of the scale configs, 10,121,794,560 parameters.
+    "10B": dict(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, multiple_of=1024, ffn_dim_multiplier=0.75, vocab_size=128256, weight_tying=False),
 }
 
 

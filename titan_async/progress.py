@@ -32,7 +32,7 @@ class ProgressDisplay:
     def __init__(self, total_steps: int, live: bool) -> None:
         self.total_steps = total_steps
         self.console = Console(file=sys.stdout)
-        self.started = time.perf_counter()
+        self.created = self.started = time.perf_counter()
         self.first_step: int | None = None
         self.rows: dict[str, str] = {}
         self.history: dict[str, float] = {}
@@ -86,7 +86,7 @@ class ProgressDisplay:
     def close(self, last_step: int, tokens: int) -> None:
         if self.live:
             self.live.stop()
-        elapsed = time.perf_counter() - self.started
+        elapsed = time.perf_counter() - self.created
         summary = Table(title="run summary")
         summary.add_column("metric")
         summary.add_column("value", justify="right")

@@ -111,7 +111,7 @@ def draw_plots(record: RunRecord, folder: Path) -> list[tuple[str, str, Path]]:
         plots.append(("pipeline", "Measured pipeline bubble per rank", folder / "bubble.png"))
     if (record.directory / TIMELINE).is_file():
         shutil.copyfile(record.directory / TIMELINE, folder / "timeline.png")
-        plots.append(("pipeline", "Pipeline timeline (traced run): forward, backward and weight actions per rank",
+        plots.append(("pipeline", "Pipeline timeline of the traced steps: forwards blue, backwards green, optimizer steps red",
                       folder / "timeline.png"))
     return plots
 
@@ -133,7 +133,7 @@ def summary(record: RunRecord) -> list[tuple[str, str]]:
     if val_steps:
         rows.append(("final validation loss", f"{val_losses[-1]:.4f} (step {val_steps[-1]})"))
         rows.append(("best validation loss", f"{min(val_losses):.4f}"))
-    tps_steps, tps = _series(record.train, THROUGHPUT)
+    _, tps = _series(record.train, THROUGHPUT)
     if tps:
         median = statistics.median(tps[1:] or tps)
         rows.append(("tokens/s per device (median, first step excluded)", f"{median:,.0f}"))
@@ -144,16 +144,17 @@ def summary(record: RunRecord) -> list[tuple[str, str]]:
     _, bubble = _series(record.train, BUBBLE)
     if bubble:
         rows.append(("mean pipeline bubble", f"{statistics.fmean(bubble):.1%}"))
-    stopped = runs.stopped_step(record.directory)
-    if stopped is not None:
-        rows.append(("stopped", f"by a signal at step {stopped}, with a checkpoint"))
+    stop = runs.early_stop(record.directory)
+    if stop is not None:
+        cause = {"signal": "a signal", "nonfinite": "non-finite losses or gradients"}.get(stop["reason"], stop["reason"])
+        rows.append(("stopped early", f"at step {stop['step']} by {cause}, with a checkpoint"))
     return rows
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+def _table(header: list[str] | None, rows: list[list[str]]) -> str:
+    head = "" if header is None else "<thead><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr></thead>"
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return f"<table>{head}<tbody>{body}</tbody></table>"
 
 
 def _number(value: float | None, form: str = "{:.4f}") -> str:
@@ -198,7 +199,7 @@ def render_html(record: RunRecord, plots: list[tuple[str, str, Path]]) -> str:
         f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>titan-async run {name}</title>'
         f"<style>{_STYLE}</style></head><body><h1>titan-async run {name}</h1>",
         '<section id="summary"><h2>Summary</h2>',
-        _table(["", ""], [list(row) for row in summary(record)]),
+        _table(None, [list(row) for row in summary(record)]),
         "</section>",
     ]
     titles = {"loss": "Loss", "throughput": "Throughput", "pipeline": "Pipeline"}

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
@@ -207,8 +208,9 @@ class AsyncTrainer(Trainer):
         learning rates by the batches the stage has now completed (streaming schedules)."""
         optimizers = [self.optimizers.optimizers[i] for i in indices]
         params = [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
-        if self.health.allow_update(self.step, stage, params, all_ranks=False):
-            self.stage_grad_norms[stage] = torch.nn.utils.clip_grad_norm_(params, self.config.training.max_norm, foreach=True)
+        stage_group = self.parallel_dims.get_mesh("batch").get_group() if self.parallel_dims.dp_enabled else None
+        if self.health.allow_update(self.step, stage, params, group=stage_group):
+            self.stage_grad_norms[stage] = dist_utils.clip_grad_norm_(params, self.config.training.max_norm, foreach=True)
             for optimizer in optimizers:
                 optimizer.step()
         for optimizer in optimizers:
@@ -247,7 +249,7 @@ class AsyncTrainer(Trainer):
         skipped = self.health.skipped
 
         def guarded_update() -> None:
-            if self.health.allow_update(self.step, stage, params, all_ranks=True):
+            if self.health.allow_update(self.step, stage, params, group=dist.group.WORLD):
                 update(step_optimizer)
 
         self.optimizers.step = guarded_update
@@ -278,7 +280,10 @@ class AsyncTrainer(Trainer):
             input_dict = {k: v.to(self.device) for k, v in input_dict.items()}
             inputs, labels, extra_kwargs = self.post_dataloading_process(input_dict, labels.to(self.device))
             microbatches.append(Microbatch(args=(inputs,), kwargs=extra_kwargs, target=labels))
-        loss_kwargs = {"global_valid_tokens": torch.tensor(valid_tokens, device=self.device)}
+        global_valid_tokens = torch.tensor(valid_tokens, device=self.device)
+        if self.parallel_dims.dp_enabled:
+            global_valid_tokens = dist_utils.dist_sum_tensor(global_valid_tokens, self.parallel_dims.get_mesh("batch"))
+        loss_kwargs = {"global_valid_tokens": global_valid_tokens}
         with self.train_context():
             if self.timeline:
                 self.timeline.start_window()
@@ -291,6 +296,8 @@ class AsyncTrainer(Trainer):
             extra["pipeline/bubble"] = bubble
         if self.metrics_processor.should_log(self.step):
             loss = float(torch.stack(losses).sum()) if losses else -1.0
+            if losses and self.parallel_dims.dp_enabled:
+                loss = dist_utils.dist_sum(torch.tensor(loss, device=self.device), self.parallel_dims.get_optional_mesh("loss"))
             grad_norm = float(self.stage_grad_norms[max(self.stage_grad_norms)]) if self.stage_grad_norms else 0.0
             self.metrics_processor.log(self.step, loss, loss, grad_norm, extra_metrics=extra)
 

@@ -58,7 +58,7 @@ def train(run_dir: Path, verbose: bool = False, run=None) -> int:
     from titan_async.config.run_config import load_run_config
 
     run = run or load_run_config(run_dir / runs.CONFIG_FILE)
-    trainer = trainer_config(run, run_dir).build()
+    trainer = trainer_config(run, run_dir, int(os.environ.get("WORLD_SIZE", "1"))).build()
     if dist.get_rank() == 0:
         runs.record_world_size(run_dir, dist.get_world_size())
     try:

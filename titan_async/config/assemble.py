@@ -24,13 +24,30 @@ def tokenizer_vocab_size(tokenizer_dir: Path) -> int:
     return HuggingFaceTokenizer.Config().build(tokenizer_path=str(tokenizer_dir)).get_vocab_size()
 
 
-def trainer_config(run: RunConfig, run_dir: Path) -> AsyncTrainer.Config:
-    """The AsyncTrainer config that trains `run` with its outputs under `run_dir`."""
+def _weight_versions(run: RunConfig) -> bool:
+    return bool(run.training.gradient_delay or streaming_schedule(run.parallelism.pipeline_parallel_schedule))
+
+
+def plain_parameters(run: RunConfig, world_size: int) -> bool:
+    """Whether to leave out FSDP, which torchtitan applies even on one rank: weight-version
+    policies switch plain parameters for free, and without data parallelism FSDP adds nothing."""
+    return _weight_versions(run) and run.data_parallel_degree(world_size) == 1
+
+
+def _parallelism(run: RunConfig, world_size: int):
+    """Weight versions under FSDP reshard after every forward, so that no FSDP unit keeps an
+    all-gathered copy of another version: each forward and backward gathers the one it needs."""
+    if _weight_versions(run) and not plain_parameters(run, world_size):
+        return dataclasses.replace(run.parallelism, fsdp_reshard_after_forward="always")
+    return run.parallelism
+
+
+def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncTrainer.Config:
+    """The AsyncTrainer config that trains `run` on `world_size` processes with its outputs under `run_dir`."""
     register_schedules()
     data = prepare(run.data, need_validation=run.validation.enable)
     try:
-        weight_versions = run.training.gradient_delay or streaming_schedule(run.parallelism.pipeline_parallel_schedule)
-        model_spec = build_model_spec(run.model, tokenizer_vocab_size(data.tokenizer_dir), fsdp=not weight_versions)
+        model_spec = build_model_spec(run.model, tokenizer_vocab_size(data.tokenizer_dir), fsdp=not plain_parameters(run, world_size))
     except ValueError as err:
         raise UserError(f"{run.source}: {err}") from None
     validator = dataclasses.replace(
@@ -48,7 +65,7 @@ def trainer_config(run: RunConfig, run_dir: Path) -> AsyncTrainer.Config:
             optimizer=run.optimizer.container_config(),
             lr_scheduler=run.lr_scheduler,
             training=run.training,
-            parallelism=run.parallelism,
+            parallelism=_parallelism(run, world_size),
             checkpoint=run.checkpoint,
             metrics=run.metrics,
             activation_checkpoint=activation_checkpoint() if activation_checkpoint else None,

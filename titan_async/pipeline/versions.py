@@ -16,6 +16,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 from torch.autograd import _unsafe_preserve_version_counter
+from torch.distributed.tensor import DTensor
 
 
 @contextmanager
@@ -30,24 +31,41 @@ def preserved_versions(params: list[torch.nn.Parameter]):
         yield
 
 
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The storage this rank holds of `param` (its FSDP shard for a DTensor)."""
+    return param._local_tensor if isinstance(param, DTensor) else param.data
+
+
 class TwoVersions:
-    """Two weight buffers per parameter; batch t uses buffer t % 2 (see module docstring)."""
+    """Two weight versions per parameter; batch t uses version t % 2 (see module docstring).
+
+    Plain parameters switch versions by pointing `param.data` at the other buffer (no copy;
+    the live storage is one of the two buffers). FSDP2 parameters cannot: FSDP all-gathers
+    from its own shard storage, so their versions are copied into it (two side buffers, and
+    FSDP must reshard after forward so that every forward and backward re-gathers).
+    """
 
     def __init__(self, params: list[torch.nn.Parameter], microbatches: int) -> None:
         self.params = params
         self.microbatches = microbatches
-        self.buffers = [[p.data for p in params], [p.data.clone() for p in params]]
+        self.in_place = any(isinstance(p, DTensor) for p in params)
+        live = [_local(p) for p in params]
+        self.buffers = [[t.clone() for t in live] if self.in_place else live, [t.clone() for t in live]]
         self.active = 0
         self.backwards = Counter()
         self.updates = 0
 
     def activate(self, batch: int) -> None:
-        """Point every parameter at the version batch `batch` uses."""
+        """Make every parameter hold the version batch `batch` uses."""
         index = batch % 2
-        if index != self.active:
-            for param, tensor in zip(self.params, self.buffers[index]):
+        if index == self.active:
+            return
+        for param, tensor in zip(self.params, self.buffers[index]):
+            if self.in_place:
+                _local(param).copy_(tensor)
+            else:
                 param.data = tensor
-            self.active = index
+        self.active = index
 
     def before_forward(self, microbatch: int) -> None:
         self.activate(microbatch // self.microbatches)
@@ -65,12 +83,22 @@ class TwoVersions:
 
     def apply_update(self, batch: int, optimizer_step: Callable[[], None]) -> None:
         """U_{batch+2} = U_{batch+1} - Opt(g_batch), written into the buffer batch `batch` used."""
-        for target, source in zip(self.buffers[batch % 2], self.buffers[(batch + 1) % 2]):
-            target.copy_(source)
-        self.activate(batch)
+        target, source = self.buffers[batch % 2], self.buffers[(batch + 1) % 2]
         self.updates += 1
+        if self.in_place:
+            for param, tensor in zip(self.params, source):
+                _local(param).copy_(tensor)
+        else:
+            for tensor, latest in zip(target, source):
+                tensor.copy_(latest)
+            self.active = -1
+            self.activate(batch)
         with preserved_versions(self.params):
             optimizer_step()
+        if self.in_place:
+            for tensor, param in zip(target, self.params):
+                tensor.copy_(_local(param))
+        self.active = batch % 2
 
     def lr_steps_due(self) -> int:
         """Learning-rate steps owed so far: one per batch applied (counting the one being applied)."""
@@ -78,20 +106,29 @@ class TwoVersions:
 
     def state_dict(self, names: list[str], step: int) -> dict[str, torch.Tensor]:
         """After `step` steps the parameters hold the latest version U_{step+1} = W[step];
-        this is the other one, U_step, which the next batch still uses. Never aliases the live
-        parameters (a load fills these tensors while the model's own entries fill the parameters)."""
+        this is the other one, U_step, which the next batch still uses, sharded like the
+        parameters. Never aliases the live parameters (a load fills these tensors while
+        the model's own entries fill the parameters)."""
         tensors = self.buffers[step % 2]
-        if step % 2 == self.active:
+        if not self.in_place and step % 2 == self.active:
             tensors = [t.clone() for t in tensors]
-        return dict(zip(names, tensors))
+        return {name: _like(param, t) for name, param, t in zip(names, self.params, tensors)}
 
     def load_state_dict(self, state: dict[str, torch.Tensor], names: list[str], step: int) -> None:
         """Restore both versions after a checkpoint at `step` loaded U_{step+1} into the parameters."""
-        self.buffers[(step + 1) % 2] = [p.data for p in self.params]
-        self.buffers[step % 2] = [state[name].clone() for name in names]
+        live = [_local(p) for p in self.params]
+        self.buffers[(step + 1) % 2] = [t.clone() for t in live] if self.in_place else live
+        self.buffers[step % 2] = [_local(state[name]).clone() for name in names]
         self.active = (step + 1) % 2
         self.backwards.clear()
         self.updates = step
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` as a tensor sharded like `param` (a DTensor view for FSDP parameters)."""
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
 
 
 class LocalAccumulation:

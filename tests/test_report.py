@@ -1,0 +1,103 @@
+"""`titan-async report`: a self-contained HTML page and PNGs from a finished run."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from matplotlib.figure import Figure
+
+from conftest import CONFIGS, TINY, metrics, run_cli, sets
+from titan_async import cli, run_dir as runs
+from titan_async.report import write_report
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A 6-step run of the tiny model, validated at steps 1, 3 and 6."""
+    run_dir = tmp_path_factory.mktemp("report") / "run"
+    run_cli("train", "--config", str(CONFIGS / "debug_cpu.toml"), "--run-dir", str(run_dir),
+            *sets(*TINY, "training.steps=6", "training.local_batch_size=2", "validation.freq=3"))
+    return run_dir
+
+
+def report(capsys, *args: str) -> tuple[int, str, str]:
+    """Run `titan-async report ARGS` in-process: (exit status, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["report", *args])
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
+
+
+def embedded_images(page: str) -> list[bytes]:
+    return [base64.b64decode(data) for data in re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)]
+
+
+def test_report_has_curves_config_and_optimizer_groups(finished_run, capsys):
+    status, out, err = report(capsys, "--run-dir", str(finished_run))
+    assert status == 0, err
+    page_path = finished_run / "report" / "report.html"
+    assert out.strip() == f"report: {page_path}"
+    page = page_path.read_text()
+
+    for section in ("summary", "loss", "throughput", "steps", "optimizer-groups", "config"):
+        assert f'<section id="{section}">' in page, section
+    assert '<section id="pipeline">' not in page
+    for series in ("training loss", "validation loss", "tokens/s per device", "lr/AdamW"):
+        assert series in page, series
+    train, validation = metrics(finished_run), metrics(finished_run, "validation")
+    assert sorted(train) == list(range(1, 7)) and sorted(validation) == [1, 3, 6]
+    for step, row in train.items():
+        assert f"<td>{step}</td><td>{row['loss_metrics/global_avg_loss']:.4f}</td>" in page
+    assert f"{train[6]['loss_metrics/global_avg_loss']:.4f} (step 6)" in page
+    assert f"{validation[6]['validation_metrics/loss']:.4f} (step 6)" in page
+    assert "6 of 6" in page
+    assert html.escape((finished_run / "config.toml").read_text()) in page
+    assert "tok_embeddings.weight" in page and "AdamW" in page
+
+    pngs = {path.name: path.read_bytes() for path in (finished_run / "report").glob("*.png")}
+    assert sorted(pngs) == ["loss.png", "throughput.png"]
+    assert all(data.startswith(PNG_SIGNATURE) and len(data) > 5000 for data in pngs.values())
+    assert sorted(embedded_images(page)) == sorted(pngs.values())
+
+
+def test_report_of_a_traced_pipeline_run_shows_bubble_timeline_and_stop(finished_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir, ignore=shutil.ignore_patterns("checkpoint", "report"))
+    (run_dir / "pipeline").mkdir()
+    for rank in (0, 1):
+        rows = [{"step": step, "time": float(step), "memory_gib": 0.5, "bubble": 0.1 * (rank + 1)} for step in range(1, 7)]
+        (run_dir / "pipeline" / f"rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    timeline = Figure(figsize=(4, 1))
+    timeline.add_subplot().broken_barh([(0, 1)], (0, 1))
+    timeline.savefig(run_dir / "pipeline" / "timeline.png")
+    runs.record_stop(run_dir, 6, "signal")
+
+    page_path = write_report(run_dir, tmp_path / "out" / "page.html")
+    page = page_path.read_text()
+    assert '<section id="pipeline">' in page and "Measured pipeline bubble per rank" in page
+    assert "at step 6 by a signal, with a checkpoint" in page
+    folder = page_path.parent
+    assert sorted(p.name for p in folder.glob("*.png")) == ["bubble.png", "loss.png", "throughput.png", "timeline.png"]
+    assert (folder / "timeline.png").read_bytes() == (run_dir / "pipeline" / "timeline.png").read_bytes()
+    assert sorted(embedded_images(page)) == sorted(p.read_bytes() for p in folder.glob("*.png"))
+
+
+@pytest.mark.parametrize("case", ["empty directory", "no metrics", "out is a directory"])
+def test_report_refuses_bad_input_with_one_line(finished_run, tmp_path, capsys, case):
+    run_dir, extra, expected = tmp_path, [], "not a titan-async run directory (no config.toml)"
+    if case == "no metrics":
+        shutil.copy(finished_run / "config.toml", tmp_path / "config.toml")
+        expected = "no training step logged yet"
+    elif case == "out is a directory":
+        run_dir, extra, expected = finished_run, ["--out", str(tmp_path)], "is a directory"
+    status, _, err = report(capsys, "--run-dir", str(run_dir), *extra)
+    assert status == 2
+    assert len(err.strip().splitlines()) == 1 and err.startswith("titan-async: ") and expected in err, err

@@ -1,0 +1,209 @@
+"""Memory and bubble arithmetic behind `titan-async plan`: plain numbers in, bytes out.
+
+Per GPU, every pipeline rank's memory is the sum of these components (bytes):
+
+- weights: the rank's stage parameters / weight shards (FSDP x CP, and TP approximately),
+  in the parameter dtype (training.dtype).
+- weight_versions: PipeDream2BW (and gradient_delay = 1) keeps a second weight version:
+  one more copy of the local weights for plain parameters (the live storage is the other
+  version), two side copies under FSDP2 (whose own shard storage holds the active one).
+- gradients: the sharded gradient, parameter dtype.
+- optimizer: AdamW keeps 2 moments per parameter; Muon 1 momentum buffer per hidden
+  matrix and AdamW's 2 moments for everything else; parameter dtype.
+- error_feedback: one update-sized buffer per parameter when enabled.
+- fsdp_buffers: FSDP2's unsharded parameters (compute dtype) and unsharded gradients
+  (reduce dtype). Under torch's pipeline schedules the stages disable gradient sync and
+  resharding until the last backward of a step, so every unit of the stage stays
+  unsharded and its gradient accumulates unsharded for the whole step: stage parameters
+  x (compute + reduce bytes). Otherwise (no PP, or the streaming schedules, which
+  reshard after every forward and reduce after every backward): the largest unit
+  gathered twice (current and prefetched) plus its unsharded gradient.
+- activations: microbatches held between forward and backward x activations of one
+  microbatch (see `block_activation_elements`), plus transients: the logits of the last
+  stage and, with full recomputation, one block recomputed for one microbatch.
+
+The first five are what a meta-device dry run allocates (`STATE_COMPONENTS`); the
+last two exist only while training runs, so they are estimates only.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+STATE_COMPONENTS = ("weights", "weight_versions", "gradients", "optimizer", "error_feedback")
+COMPONENTS = (*STATE_COMPONENTS, "fsdp_buffers", "activations")
+COMPARED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "PipeDream2BW", "PACI")
+"""Schedules whose predicted bubble `plan` prints for every config."""
+INTERLEAVED_CHUNKS = 2
+FILL_DRAIN_SCHEDULES = {"gpipe", "loopedbfs"}
+"""Schedules that run every forward of a step before its first backward."""
+STREAMING_SCHEDULES = {"pipedream2bw", "paci"}
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size such as "80GiB", "141GB" or "512MiB"; ValueError otherwise."""
+    match = _SIZE.match(text)
+    unit = match and _UNITS.get(match.group(2).lower())
+    if not unit or float(match.group(1)) <= 0:
+        raise ValueError(f"expected a positive size with a unit ({', '.join(_UNITS)}), e.g. 80GiB")
+    return int(float(match.group(1)) * unit)
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """One pipeline stage: its modules and parameter counts (unsharded)."""
+
+    index: int
+    modules: tuple[str, ...]
+    params: int
+    matrix_params: int
+    """Parameters Muon takes (2-D hidden matrices); the rest gets AdamW."""
+    layers: int
+    largest_unit: int
+    """Parameters of its largest FSDP unit (a block, the embedding, or norm + output head)."""
+    last: bool
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How every rank trains, as far as memory is concerned."""
+
+    dim: int
+    kv_dim: int
+    ffn_dim: int
+    vocab_size: int
+    tokens: int
+    """Tokens of one microbatch on one rank (after context/sequence parallel splits)."""
+    param_bytes: int
+    compute_bytes: int
+    reduce_bytes: int
+    weight_shards: int
+    fsdp: bool
+    unsharded_for_step: bool
+    """FSDP units stay unsharded from the first forward to the last backward of a step."""
+    version_copies: int
+    """Extra copies of the local weights the weight-version policy keeps (0, 1 or 2)."""
+    optimizer: Literal["adamw", "muon"]
+    error_feedback: bool
+    activation_checkpoint: Literal["none", "selective", "full"]
+
+
+def state_bytes(stage: StageShape, setup: Setup) -> dict[str, float]:
+    """Per-GPU bytes of the state a rank of `stage` keeps between steps (`STATE_COMPONENTS`)."""
+    local = stage.params / setup.weight_shards
+    weights = local * setup.param_bytes
+    if setup.optimizer == "muon":
+        moments = (stage.matrix_params + 2 * (stage.params - stage.matrix_params)) / setup.weight_shards
+    else:
+        moments = 2 * local
+    return {
+        "weights": weights,
+        "weight_versions": weights * setup.version_copies,
+        "gradients": weights,
+        "optimizer": moments * setup.param_bytes,
+        "error_feedback": weights if setup.error_feedback else 0.0,
+    }
+
+
+def fsdp_buffer_bytes(stages: list[StageShape], setup: Setup) -> float:
+    """FSDP2's unsharded parameters and gradients on one rank (see the module docstring)."""
+    if not setup.fsdp:
+        return 0.0
+    if setup.unsharded_for_step:
+        return sum(s.params for s in stages) * (setup.compute_bytes + setup.reduce_bytes)
+    largest = max(s.largest_unit for s in stages)
+    return largest * (2 * setup.compute_bytes + setup.reduce_bytes)
+
+
+def block_activation_elements(setup: Setup, mode: str | None = None) -> int:
+    """Elements one transformer block keeps per token for its backward.
+
+    none: both RMSNorm inputs and outputs (4 dim), q, k, v (dim + 2 kv_dim), the attention
+    output (dim), SwiGLU's two projections and their product (3 ffn_dim).
+    selective (torchtitan's per-op policy: attention and every second matmul saved): the
+    block input, q/k/v, the attention output, w1's and w2's outputs (4 dim + 2 kv_dim + ffn_dim).
+    full: the block input (dim).
+    """
+    mode = mode or setup.activation_checkpoint
+    if mode == "full":
+        return setup.dim
+    if mode == "selective":
+        return 4 * setup.dim + 2 * setup.kv_dim + setup.ffn_dim
+    return 6 * setup.dim + 2 * setup.kv_dim + 3 * setup.ffn_dim
+
+
+def microbatch_activation_bytes(stage: StageShape, setup: Setup) -> float:
+    """Bytes one in-flight microbatch keeps on `stage`: its blocks, and on the last stage
+    the float32 log-softmax cross-entropy saves (tokens x vocab x 4)."""
+    blocks = stage.layers * setup.tokens * block_activation_elements(setup) * setup.compute_bytes
+    logits = setup.tokens * setup.vocab_size * 4 if stage.last else 0
+    return blocks + logits
+
+
+def transient_activation_bytes(stages: list[StageShape], setup: Setup) -> float:
+    """Peak scratch on top of held activations: the last stage's logits (compute dtype) and
+    their float32 copy; with full recomputation, one block recomputed for one microbatch."""
+    scratch = 0.0
+    if any(s.last for s in stages):
+        scratch += setup.tokens * setup.vocab_size * (setup.compute_bytes + 4)
+    if setup.activation_checkpoint == "full" and any(s.layers for s in stages):
+        scratch += setup.tokens * block_activation_elements(setup, "none") * setup.compute_bytes
+    return scratch
+
+
+def held_microbatches(schedule: str, rank: int, ranks: int, microbatches: int, stages_per_rank: int) -> int:
+    """Microbatches (chunks, with several stages per rank) a pipeline rank holds at its peak.
+
+    GPipe/LoopedBFS: all of them. 1F1B and the streaming schedules: min(m, p - rank).
+    Interleaved schedules (torch's warm-up): min(m v, (v - 1) p + 2 (p - 1 - rank) + 1).
+    """
+    name = schedule.lower()
+    if name in FILL_DRAIN_SCHEDULES:
+        return microbatches * stages_per_rank
+    if stages_per_rank == 1:
+        return min(microbatches, ranks - rank)
+    v = stages_per_rank
+    return min(microbatches * v, (v - 1) * ranks + 2 * (ranks - 1 - rank) + 1)
+
+
+def rank_memory(stages: list[StageShape], held: list[float], setup: Setup) -> dict[str, float]:
+    """Per-GPU bytes of every component (`COMPONENTS`) and their "total", for a rank holding
+    `stages` with `held[i]` microbatches in flight on stage i."""
+    memory = dict.fromkeys(COMPONENTS, 0.0)
+    for stage in stages:
+        for key, value in state_bytes(stage, setup).items():
+            memory[key] += value
+    memory["fsdp_buffers"] = fsdp_buffer_bytes(stages, setup)
+    memory["activations"] = sum(n * microbatch_activation_bytes(s, setup) for s, n in zip(stages, held))
+    memory["activations"] += transient_activation_bytes(stages, setup)
+    memory["total"] = sum(memory[key] for key in COMPONENTS)
+    return memory
+
+
+def bubble(schedule: str, stages: int, microbatches: int) -> float:
+    """Predicted idle share of a step: GPipe/1F1B (p-1)/(m+p-1), Interleaved1F1B with v = 2
+    chunks (p-1)/(v m+p-1), the streaming schedules 0 in steady state."""
+    if stages <= 1 or schedule.lower() in STREAMING_SCHEDULES:
+        return 0.0
+    chunks = INTERLEAVED_CHUNKS if schedule.lower() == "interleaved1f1b" else 1
+    return (stages - 1) / (chunks * microbatches + stages - 1)
+
+
+def compare_schedules(stages: int, microbatches: int) -> list[dict[str, float | str]]:
+    """Bubble and throughput relative to 1F1B, (1 - bubble) / (1 - bubble_1F1B), per schedule."""
+    baseline = 1 - bubble("1F1B", stages, microbatches)
+    return [
+        {"name": name, "bubble": bubble(name, stages, microbatches),
+         "relative_throughput": (1 - bubble(name, stages, microbatches)) / baseline}
+        for name in COMPARED_SCHEDULES
+    ]
+
+
+def gib(value: float) -> float:
+    return value / 2**30
