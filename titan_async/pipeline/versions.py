@@ -55,11 +55,17 @@ class TwoVersions:
         self.backwards = Counter()
         self.updates = 0
 
+    def _keep_live(self) -> None:
+        """Copy the live version into its buffer if a checkpoint load left that for later."""
+        if self.buffers[self.active] is None:
+            self.buffers[self.active] = [_local(p).clone() for p in self.params]
+
     def activate(self, batch: int) -> None:
         """Make every parameter hold the version batch `batch` uses."""
         index = batch % 2
         if index == self.active:
             return
+        self._keep_live()
         for param, tensor in zip(self.params, self.buffers[index]):
             if self.in_place:
                 _local(param).copy_(tensor)
@@ -83,6 +89,7 @@ class TwoVersions:
 
     def apply_update(self, batch: int, optimizer_step: Callable[[], None]) -> None:
         """U_{batch+2} = U_{batch+1} - Opt(g_batch), written into the buffer batch `batch` used."""
+        self._keep_live()
         target, source = self.buffers[batch % 2], self.buffers[(batch + 1) % 2]
         self.updates += 1
         if self.in_place:
@@ -115,9 +122,11 @@ class TwoVersions:
         return {name: _like(param, t) for name, param, t in zip(names, self.params, tensors)}
 
     def load_state_dict(self, state: dict[str, torch.Tensor], names: list[str], step: int) -> None:
-        """Restore both versions after a checkpoint at `step` loaded U_{step+1} into the parameters."""
-        live = [_local(p) for p in self.params]
-        self.buffers[(step + 1) % 2] = [t.clone() for t in live] if self.in_place else live
+        """Restore both versions after a checkpoint at `step` loaded U_{step+1} into the parameters.
+
+        The model's own load may finish after this one (fused weights are merged afterwards),
+        so the live version is copied into its side buffer only when it is first switched away."""
+        self.buffers[(step + 1) % 2] = None if self.in_place else [_local(p) for p in self.params]
         self.buffers[step % 2] = [_local(state[name]).clone() for name in names]
         self.active = (step + 1) % 2
         self.backwards.clear()

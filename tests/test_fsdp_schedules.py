@@ -1,0 +1,41 @@
+"""Streaming schedules with FSDP2 inside each stage (PP=2 x FSDP=2 on 4 processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import CONFIGS, TINY, metrics, run_cli, sets
+from test_schedules import STEPS, assert_close_weights, assert_same_run, final_weights
+
+EXACT = (*TINY, f"training.steps={STEPS}", "checkpoint.interval=3", "validation.freq=3", f"lr_scheduler.total_steps={STEPS}")
+PP_FSDP = ("--config", str(CONFIGS / "debug_cpu_pp2_fsdp2.toml"), "--nproc-per-node", "4")
+
+
+def train(run_dir, *assignments, layout=PP_FSDP):
+    run_cli("train", *layout, "--run-dir", str(run_dir), *sets(*EXACT, *assignments))
+    return run_dir
+
+
+def test_2bw_with_fsdp_equals_delayed_reference_with_fsdp(tmp_path):
+    reference = train(tmp_path / "delay", "training.gradient_delay=1",
+                      layout=("--config", str(CONFIGS / "debug_cpu_fsdp2.toml"), "--nproc-per-node", "2"))
+    pipelined = train(tmp_path / "2bw", "parallelism.pipeline_parallel_schedule=PipeDream2BW")
+    assert_same_run(reference, pipelined)
+    assert_close_weights(final_weights(pipelined), final_weights(reference))
+
+
+def test_2bw_with_fsdp_resumes_exactly(tmp_path):
+    full = train(tmp_path / "full", "parallelism.pipeline_parallel_schedule=PipeDream2BW")
+    split = train(tmp_path / "split", "parallelism.pipeline_parallel_schedule=PipeDream2BW", "training.steps=3")
+    run_cli("resume", "--run-dir", str(split), *sets(f"training.steps={STEPS}"))
+    assert_same_run(full, split, rel=1e-6)
+
+
+@pytest.mark.parametrize("config", ["debug_cpu_pp2_paci.toml", "debug_cpu_pp2_2bw.toml"], ids=["paci-adamw", "2bw-muon-ef"])
+def test_streaming_schedule_with_fsdp_trains(tmp_path, config):
+    run = tmp_path / "run"
+    run_cli("train", "--config", str(CONFIGS / config), "--nproc-per-node", "4", "--run-dir", str(run),
+            *sets(*EXACT, "training.local_batch_size=4", "parallelism.pipeline_parallel_microbatch_size=1",
+                  "parallelism.data_parallel_shard_degree=2"))
+    validation = metrics(run, "validation")
+    assert validation[STEPS]["validation_metrics/loss"] < validation[1]["validation_metrics/loss"]
