@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import CONFIGS, TINY, metrics, run_cli, sets
+from conftest import CONFIGS, TINY, losses, metrics, run_cli, sets
 from test_schedules import STEPS, assert_close_weights, assert_same_run, final_weights
 
 EXACT = (*TINY, f"training.steps={STEPS}", "checkpoint.interval=3", "validation.freq=3", f"lr_scheduler.total_steps={STEPS}")
@@ -39,3 +39,16 @@ def test_streaming_schedule_with_fsdp_trains(tmp_path, config):
                   "parallelism.data_parallel_shard_degree=2"))
     validation = metrics(run, "validation")
     assert validation[STEPS]["validation_metrics/loss"] < validation[1]["validation_metrics/loss"]
+
+
+def test_float8_emulated_2bw_with_fsdp_tracks_float32(tmp_path):
+    common = ("parallelism.pipeline_parallel_schedule=PipeDream2BW", "training.steps=20", "validation.enable=false",
+              "checkpoint.enable=false", "lr_scheduler.total_steps=20")
+    full_precision = train(tmp_path / "fp32", *common)
+    float8 = train(tmp_path / "fp8", *common, "model.float8=rowwise")
+    assert "Swapped to Float8Linear" in (float8 / "logs" / "rank0.log").read_text()
+    reference, emulated = losses(full_precision), losses(float8)
+    assert sorted(reference) == sorted(emulated) == list(range(1, 21))
+    for step in reference:
+        assert abs(emulated[step] - reference[step]) <= 0.02 * reference[step], step
+    assert emulated != reference

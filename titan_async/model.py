@@ -17,6 +17,7 @@ from torchtitan.models.llama3 import (
 )
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.pipeline_parallel import pipeline_llm
+from torchtitan.components.quantization import Float8LinearConverter
 from torchtitan.models.common.attention import VarlenAttention
 from torchtitan.models.llama3.model import Llama3Model
 from torchtitan.protocols.model_spec import ModelSpec
@@ -62,6 +63,9 @@ class ModelSection:
     """RoPE base frequency."""
     attention: Literal["auto", "flex", "varlen", "dense"] = "auto"
     """auto: FlexAttention on CUDA, dense per-document SDPA on CPU (which has no Flex backward)."""
+    float8: Literal["none", "rowwise", "rowwise_with_gw_hp"] = "none"
+    """Float8 linear layers through torchao (the output head stays in high precision); needs SM89+,
+    emulated on machines without CUDA (slow, eager only; for testing)."""
 
     def resolved(self, tokenizer_vocab_size: int) -> dict[str, object]:
         """All sizes after applying the preset and the tokenizer's vocabulary."""
@@ -98,9 +102,9 @@ def parallelize_without_fsdp(model, *, parallel_dims, training, parallelism, com
     return model
 
 
-def build_model_spec(section: ModelSection, tokenizer_vocab_size: int, fsdp: bool = True) -> ModelSpec:
+def build_model_spec(section: ModelSection, tokenizer_vocab_size: int, fsdp: bool = True, compiled: bool = False) -> ModelSpec:
     """A torchtitan ModelSpec for the llama3 model that `section` describes (`fsdp`: see
-    `parallelize_without_fsdp`)."""
+    `parallelize_without_fsdp`; `compiled`: whether the model will be compiled)."""
     s = section.resolved(tokenizer_vocab_size)
     dim, n_heads, vocab = s["dim"], s["n_heads"], s["vocab_size"]
     if dim % n_heads:
@@ -140,6 +144,11 @@ def build_model_spec(section: ModelSection, tokenizer_vocab_size: int, fsdp: boo
     if backend == "dense":
         for _, _, parent, attr in list(config.traverse(VarlenAttention.Config)):
             setattr(parent, attr, DenseDocumentAttention.Config())
+    if section.float8 != "none":
+        converter = Float8LinearConverter.Config(
+            recipe_name=section.float8, filter_fqns=["lm_head"], emulate=platform.is_cpu(), model_compile_enabled=compiled
+        )
+        config = converter.build().convert(config)
     return ModelSpec(
         name="llama3",
         flavor=section.preset,

@@ -47,7 +47,12 @@ def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncT
     register_schedules()
     data = prepare(run.data, need_validation=run.validation.enable)
     try:
-        model_spec = build_model_spec(run.model, tokenizer_vocab_size(data.tokenizer_dir), fsdp=not plain_parameters(run, world_size))
+        model_spec = build_model_spec(
+            run.model,
+            tokenizer_vocab_size(data.tokenizer_dir),
+            fsdp=not plain_parameters(run, world_size),
+            compiled=run.compile.enable and "model" in run.compile.components,
+        )
     except ValueError as err:
         raise UserError(f"{run.source}: {err}") from None
     validator = dataclasses.replace(
