@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
+from torchtitan.components.checkpointer.base import LR_SCHEDULER, OPTIMIZER
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
@@ -176,7 +177,7 @@ class AsyncTrainer(Trainer):
         self.lr_schedulers = config.lr_scheduler.build(optimizers=self.optimizers, training_steps=config.training.steps)
         self.metrics_processor.optimizers = self.optimizers
         if self.checkpointer.enable:
-            self.checkpointer.states.update(optimizer=self.optimizers, lr_scheduler=self.lr_schedulers)
+            self.checkpointer.states.update({OPTIMIZER: self.optimizers, LR_SCHEDULER: self.lr_schedulers})
         m = microbatches(config.training, config.parallelism)
         mailbox: dict = {}
         policies, executors, steps = {}, [], {}
