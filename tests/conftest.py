@@ -28,6 +28,18 @@ TINY = [
 ]
 
 
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+@pytest.fixture(autouse=True)
+def isolated_environment():
+    """Each test sees the environment as it was: in-process commands (eval) set launcher variables."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def sets(*assignments: str) -> list[str]:
     """['--set', a, '--set', b, ...]"""
     return [item for a in assignments for item in ("--set", a)]
@@ -37,11 +49,16 @@ def run_cli(*args: str, check: bool = True, timeout: float = 600, env: dict | No
     """Run `titan-async ARGS` in a fresh interpreter; with `check`, fail the test on a non-zero exit."""
     result = subprocess.run(
         [sys.executable, "-m", "titan_async.cli", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})},
+        capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**fresh_environment(), **(env or {})},
     )
     if check and result.returncode != 0:
         pytest.fail(f"titan-async {' '.join(args)} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
+
+
+def fresh_environment() -> dict[str, str]:
+    """This process's environment without torch launcher variables, as a new shell would have it."""
+    return {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
 
 
 def metrics(run_dir: Path, kind: str = "train") -> dict[int, dict]:

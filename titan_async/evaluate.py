@@ -42,22 +42,26 @@ def _single_process(run: RunConfig) -> RunConfig:
     return dataclasses.replace(run, parallelism=parallelism, metrics=metrics)
 
 
-def _load_model(checkpoint: Path, run: RunConfig, scratch: Path):
-    """The trained model of `run` with the weights in `checkpoint`, built as training builds it
-    (same parallelize function, so the same mixed-precision compute), on one process."""
+def _build_trainer(run: RunConfig, checkpoint: Path, scratch: Path):
+    """The trainer of `run` on one process, built as training builds it (same parallelize
+    function, so the same mixed-precision compute), set to load only the model weights of
+    `checkpoint`, with its outputs in `scratch`."""
     launch.become_single_process()
     config = trainer_config(_single_process(run), scratch)
     config.checkpoint = dataclasses.replace(
         config.checkpoint, initial_load_path=str(checkpoint.resolve()), initial_load_model_only=True
     )
     config.validator.enable = False
-    trainer = config.build()
+    return config.build()
+
+
+def _load_weights(trainer, checkpoint: Path) -> None:
+    """Load the checkpoint's model weights; UserError naming `checkpoint` if it cannot be read."""
     try:
         trainer.checkpointer.load()
     except (Exception, CheckpointException) as err:
         reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise UserError(f"--checkpoint {checkpoint}: cannot read the checkpoint ({reason})") from None
-    return trainer, trainer.model_parts[0].eval()
 
 
 def _forward(model, inputs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -114,8 +118,10 @@ def evaluate_checkpoint(checkpoint: Path, *, as_json: bool, prompt: str, max_new
     run = load_run_config(run_dir / runs.CONFIG_FILE)
     world_size = runs.load_launch(run_dir).get("world_size", 1)
     with tempfile.TemporaryDirectory() as scratch:
-        trainer, model = _load_model(checkpoint, run, Path(scratch))
+        trainer = _build_trainer(run, checkpoint, Path(scratch))
         try:
+            _load_weights(trainer, checkpoint)
+            model = trainer.model_parts[0].eval()
             loss, tokens = validation_loss(model, trainer.config, trainer.tokenizer, run.data_parallel_degree(world_size))
             continuation = greedy_continuation(model, trainer.tokenizer, prompt, max_new_tokens)
         finally:

@@ -42,7 +42,7 @@ class ModelSection:
     """Model shape. Fields left at -1 take the preset's value."""
 
     preset: str = "debugmodel"
-    """Starting sizes: one of debugmodel, 1B, 3B, 8B, 70B (torchtitan's llama3 flavors)."""
+    """Starting sizes: debugmodel, 1B, 3B, 8B, 70B (torchtitan's llama3 flavors) or 10B."""
     dim: int = -1
     """Hidden size."""
     n_layers: int = -1

@@ -42,17 +42,21 @@ from torchtitan.models.common import compute_ffn_hidden_dim
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.tools.utils import device_type, set_default_dtype
 
-from titan_async.config.assemble import _ACTIVATION_CHECKPOINTS, _parallelism, plain_parameters, tokenizer_vocab_size
+from titan_async.config.assemble import ACTIVATION_CHECKPOINTS, parallelism_for, plain_parameters, tokenizer_vocab_size
 from titan_async.config.run_config import RunConfig
 from titan_async.errors import UserError
 from titan_async.model import build_model_spec
 from titan_async.optim.error_feedback import PREVIOUS_UPDATE, STEPS
 from titan_async.optim.routing import route_parameters
 from titan_async.pipeline.emulation import stage_modules
-from titan_async.pipeline.schedules import SchedulePipeDream2BW, register as register_schedules, streaming_schedule
+from titan_async.pipeline.schedules import (
+    SCHEDULE_NAMES,
+    SchedulePipeDream2BW,
+    register as register_schedules,
+    streaming_schedule,
+)
 from titan_async.pipeline.versions import TwoVersions
 from titan_async.plan_memory import (
-    COMPONENTS,
     STATE_COMPONENTS,
     Setup,
     StageShape,
@@ -122,28 +126,15 @@ class Layout:
 
 
 def check_world_size(run: RunConfig, cluster: Cluster) -> None:
-    """UserError unless the parallel degrees fit `cluster`'s GPU count exactly."""
-    p = run.parallelism
-    degrees = {
-        "pipeline_parallel_degree": p.pipeline_parallel_degree,
-        "tensor_parallel_degree": p.tensor_parallel_degree,
-        "context_parallel_degree": p.context_parallel_degree,
-        "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
-    }
-    if p.data_parallel_shard_degree != -1:
-        degrees["data_parallel_shard_degree"] = p.data_parallel_shard_degree
-    product = 1
-    for value in degrees.values():
-        product *= value
-    world = cluster.world_size
-    if product == world or (p.data_parallel_shard_degree == -1 and world % product == 0):
-        return
-    named = " x ".join(f"parallelism.{k} ({v})" for k, v in degrees.items() if v != 1) or "the parallel degrees (1)"
-    rule = "a multiple of" if p.data_parallel_shard_degree == -1 else "equal to"
-    raise UserError(
-        f"--nodes {cluster.nodes} x --gpus-per-node {cluster.gpus_per_node} = {world} GPUs, but {run.source}: "
-        f"{named} = {product} needs a GPU count {rule} {product}"
-    )
+    """UserError unless the parallel degrees fit `cluster`'s GPU count."""
+    mismatch = run.degree_mismatch(cluster.world_size)
+    if mismatch:
+        named, product = mismatch
+        rule = "a multiple of" if run.parallelism.data_parallel_shard_degree == -1 else "equal to"
+        raise UserError(
+            f"--nodes {cluster.nodes} x --gpus-per-node {cluster.gpus_per_node} = {cluster.world_size} GPUs, but "
+            f"{run.source}: {named} = {product} needs a GPU count {rule} {product}"
+        )
 
 
 def resolve_vocab_size(run: RunConfig) -> int:
@@ -203,6 +194,7 @@ def make_layout(run: RunConfig, cluster: Cluster, model_config) -> Layout:
     layers = len(model_config.layers)
     try:
         if pp > 1:
+            # Of the parallel dims, torchtitan's metadata reads only the PP degree.
             stages, _, first, last = _get_pipeline_metadata(SimpleNamespace(pp=pp), p, model_config)
             modules = p.module_fqns_per_model_part or _generate_llm_fqn_per_model_part(stages, layers, first, last)
             ranks = [_get_pp_rank_to_stage_indices_mapping(r, pp, p.pipeline_parallel_schedule, len(modules)) for r in range(pp)]
@@ -327,12 +319,13 @@ def _no_loss(*args, **kwargs):
     raise RuntimeError("the plan's dry run computes nothing")
 
 
-def _build_rank(run: RunConfig, model: MetaModel, world: int) -> tuple[list[torch.nn.Module], Any]:
-    """This (fake) rank's model parts and pipeline schedule (None without PP), on meta."""
+def _build_rank(run: RunConfig, model: MetaModel, world: int) -> tuple[list[torch.nn.Module], Any, int]:
+    """This (fake) rank's model parts, pipeline schedule (None without PP) and pipeline rank, on meta,
+    parallelized and initialized as the trainer does (initializing re-ties tied weights)."""
     spec = model.spec
-    parallelism = _parallelism(run, world)
+    parallelism = parallelism_for(run, world)
     parallel_dims = ParallelDims.from_config(parallelism, world)
-    checkpointing = _ACTIVATION_CHECKPOINTS[run.activation_checkpoint.mode]
+    checkpointing = ACTIVATION_CHECKPOINTS[run.activation_checkpoint.mode]
     common = dict(
         parallel_dims=parallel_dims,
         training=run.training,
@@ -341,13 +334,18 @@ def _build_rank(run: RunConfig, model: MetaModel, world: int) -> tuple[list[torc
         ac_config=checkpointing() if checkpointing else None,
         dump_folder="",
     )
-    if not parallel_dims.pp_enabled:
-        return [spec.parallelize_fn(copy.deepcopy(model.module), **common)], None
-    schedule, parts, _, _ = spec.pipelining_fn(
-        model.module, **common, device=torch.device(device_type), model_config=spec.model,
-        parallelize_fn=spec.parallelize_fn, loss_fn=_no_loss,
-    )
-    return parts, schedule
+    if parallel_dims.pp_enabled:
+        schedule, parts, _, _ = spec.pipelining_fn(
+            model.module, **common, device=torch.device(device_type), model_config=spec.model,
+            parallelize_fn=spec.parallelize_fn, loss_fn=_no_loss,
+        )
+        pp_rank = parallel_dims.get_mesh("pp").get_local_rank()
+    else:
+        schedule, parts, pp_rank = None, [spec.parallelize_fn(copy.deepcopy(model.module), **common)], 0
+    with torch.no_grad():
+        for part in parts:
+            part.init_weights(buffer_device=None)
+    return parts, schedule, pp_rank
 
 
 def _allocated_state(run: RunConfig, layout: Layout, parts: list[torch.nn.Module]) -> dict[str, int]:
@@ -376,20 +374,21 @@ def _allocated_state(run: RunConfig, layout: Layout, parts: list[torch.nn.Module
     return allocated
 
 
-def _actions(schedule: Any, pp_rank: int) -> list[str]:
-    order = getattr(schedule, "pipeline_order", None) if schedule is not None else None
-    if not order:
-        return []
-    return [str(action) if action is not None else "idle" for action in order[pp_rank]]
+def _actions(schedule: Any, pp_rank: int) -> tuple[list[str], dict[str, int]]:
+    """The schedule's action list for `pp_rank` (torch's schedule IR; None = idle) and the
+    count of each action type. Streaming schedules give two windows and a drain."""
+    order = (getattr(schedule, "pipeline_order", None) or {}).get(pp_rank, [])
+    names = [str(action) if action is not None else "idle" for action in order]
+    counts = Counter(action.computation_type.value if action is not None else "idle" for action in order)
+    return names, dict(counts)
 
 
 def dry_run_rank(run: RunConfig, layout: Layout, model: MetaModel, world: int, rank: int) -> dict[str, Any]:
     """Set up global rank `rank` of `world` with a fake process group and report what it holds."""
     init_fake_mode(world, rank=rank)
     try:
-        parts, schedule = _build_rank(run, model, world)
-        pp_rank = rank // layout.gpus_per_pp_rank(world)
-        actions = _actions(schedule, pp_rank)
+        parts, schedule, pp_rank = _build_rank(run, model, world)
+        actions, counts = _actions(schedule, pp_rank)
         return {
             "rank": rank,
             "pp_rank": pp_rank,
@@ -400,7 +399,7 @@ def dry_run_rank(run: RunConfig, layout: Layout, model: MetaModel, world: int, r
             "fsdp_wrapped": any(isinstance(p, DTensor) for part in parts for p in part.parameters()),
             "allocated": _allocated_state(run, layout, parts),
             "actions": actions,
-            "action_counts": dict(Counter(a if a == "idle" else a.lstrip("0123456789").rstrip("0123456789") for a in actions)),
+            "action_counts": counts,
         }
     finally:
         dist.destroy_process_group()
@@ -432,6 +431,12 @@ def dry_run(run: RunConfig, layout: Layout, model: MetaModel, world: int, rows: 
 def make_plan(run: RunConfig, cluster: Cluster) -> dict[str, Any]:
     """Everything `plan` reports, as one JSON-ready object."""
     check_world_size(run, cluster)
+    name = run.parallelism.pipeline_parallel_schedule
+    if name.lower() not in {known.lower() for known in SCHEDULE_NAMES}:
+        raise UserError(
+            f"{run.source}: parallelism.pipeline_parallel_schedule = {name!r}: unknown schedule; "
+            f"valid names are {', '.join(SCHEDULE_NAMES)}"
+        )
     register_schedules()
     warnings = []
     try:
@@ -451,7 +456,7 @@ def make_plan(run: RunConfig, cluster: Cluster) -> dict[str, Any]:
                 f"per GPU, more than --gpu-memory {gib(cluster.gpu_memory):.1f} GiB: it will not fit"
             )
     sizes = run.model.resolved(vocab)
-    p, t = run.parallelism, run.training
+    parallelism, t = run.parallelism, run.training
     schedules = compare_schedules(layout.pipeline_stages(), layout.microbatches)
     for entry in schedules:
         entry["selected"] = entry["name"].lower() == layout.schedule.lower() and layout.pipeline_stages() > 1
@@ -471,9 +476,9 @@ def make_plan(run: RunConfig, cluster: Cluster) -> dict[str, Any]:
             "pipeline_parallel": layout.pp,
             "pipeline_stages": layout.pipeline_stages(),
             "data_parallel_shard": layout.fsdp,
-            "data_parallel_replicate": p.data_parallel_replicate_degree,
-            "tensor_parallel": p.tensor_parallel_degree,
-            "context_parallel": p.context_parallel_degree,
+            "data_parallel_replicate": parallelism.data_parallel_replicate_degree,
+            "tensor_parallel": parallelism.tensor_parallel_degree,
+            "context_parallel": parallelism.context_parallel_degree,
             "schedule": layout.schedule,
             "microbatches": layout.microbatches,
             "microbatch_tokens": setup.tokens,
@@ -483,6 +488,7 @@ def make_plan(run: RunConfig, cluster: Cluster) -> dict[str, Any]:
             "compute_dtype": t.mixed_precision_param if layout.fsdp_applied else t.dtype,
             "reduce_dtype": t.mixed_precision_reduce,
             "activation_checkpoint": run.activation_checkpoint.mode,
+            "float8": run.model.float8,
             "optimizer": run.optimizer.name,
             "error_feedback": run.optimizer.error_feedback.enabled,
         },
@@ -495,24 +501,28 @@ def make_plan(run: RunConfig, cluster: Cluster) -> dict[str, Any]:
     }
 
 
+_SHORT_NAMES = {"tok_embeddings": "embed", "lm_head": "head"}
+
+
 def _modules(names: list[str]) -> str:
-    """Module names with runs of consecutive layers folded: tok_embeddings, layers.0-4."""
+    """A stage's modules, short: consecutive layers folded (embed, L0-4; L37-39, norm, head)."""
     parts: list[str] = []
-    run: list[int] = []
+    layers: list[int] = []
 
     def flush() -> None:
-        if run:
-            parts.append(f"layers.{run[0]}" + (f"-{run[-1]}" if len(run) > 1 else ""))
-            run.clear()
+        if layers:
+            parts.append(f"L{layers[0]}" + (f"-{layers[-1]}" if len(layers) > 1 else ""))
+            layers.clear()
 
     for name in names:
-        if name.startswith("layers.") and name[7:].isdigit():
-            if run and int(name[7:]) != run[-1] + 1:
+        index = name.removeprefix("layers.")
+        if index.isdigit():
+            if layers and int(index) != layers[-1] + 1:
                 flush()
-            run.append(int(name[7:]))
+            layers.append(int(index))
         else:
             flush()
-            parts.append(name)
+            parts.append(_SHORT_NAMES.get(name, name))
     flush()
     return ", ".join(parts)
 
@@ -524,76 +534,82 @@ def _count(n: int) -> str:
     return str(n)
 
 
-_MEMORY_HEADERS = {"weights": "weights", "weight_versions": "2BW versions", "gradients": "grads", "optimizer": "optimizer",
-                   "error_feedback": "EF", "fsdp_buffers": "FSDP bufs", "activations": "activations"}
+_HEADERS = {"weights": "weights", "weight_versions": "2BW", "gradients": "grads", "optimizer": "optim",
+            "error_feedback": "EF", "fsdp_buffers": "FSDP", "activations": "act (held mb)"}
 
 
 @dataclass
 class Table:
-    """A titled table of strings; numeric columns are right-aligned."""
+    """A titled table of strings; the first `left` columns are text, the rest numbers."""
 
     title: str
     columns: list[str]
     rows: list[list[str]]
     left: int = 1
-    """How many leading columns are text (left-aligned)."""
 
 
-def _tables(plan: dict[str, Any]) -> list[Table]:
+def _memory_table(plan: dict[str, Any]) -> Table:
     memory = plan["gpu_memory_bytes"]
-    ranks = Table(
-        f"Memory per GPU (GiB); every GPU of a pipeline rank holds the same (its FSDP shard)",
-        ["pp", "GPUs", "stages", "modules", "params", *_MEMORY_HEADERS.values(), "held mb", "total", f"of {gib(memory):.0f}"],
+    table = Table(
+        "Memory per GPU (GiB); all GPUs of a pipeline rank hold the same (their FSDP shards)",
+        ["pp (GPUs)", "stage: modules", "params", *_HEADERS.values(), "total", f"of {gib(memory):g} GiB"],
         [],
-        left=4,
+        left=2,
     )
     for row in plan["ranks"]:
         m = row["memory"]
         share = m["total"] / memory
-        verdict = "no" if share > 1 else "tight" if share > TIGHT else "fits"
-        ranks.rows.append([
-            str(row["pp_rank"]), "{}-{}".format(*row["gpus"]), ",".join(str(s["index"]) for s in row["stages"]),
-            _modules([n for s in row["stages"] for n in s["modules"]]), _count(row["parameters"]),
-            *(f"{gib(m[key]):.2f}" for key in _MEMORY_HEADERS), f"{row['held_microbatches']:g}",
-            f"{gib(m['total']):.2f}", f"{share:.0%} {verdict}",
+        verdict = "NO" if share > 1 else "tight" if share > TIGHT else "fits"
+        stages = "; ".join(f"{s['index']}: {_modules(s['modules'])}" for s in row["stages"])
+        table.rows.append([
+            "{} ({}-{})".format(row["pp_rank"], *row["gpus"]), stages, _count(row["parameters"]),
+            *(f"{gib(m[key]):.2f}" for key in STATE_COMPONENTS), f"{gib(m['fsdp_buffers']):.2f}",
+            f"{gib(m['activations']):.2f} ({row['held_microbatches']:g})", f"{gib(m['total']):.2f}", f"{share:.0%} {verdict}",
         ])
+    return table
+
+
+def _schedule_table(plan: dict[str, Any]) -> Table:
     layout = plan["layout"]
-    schedules = Table(
+    return Table(
         f"Schedules (p = {layout['pipeline_stages']} stages, m = {layout['microbatches']} microbatches; "
-        "Interleaved1F1B with v = 2 chunks)",
+        "Interleaved1F1B with v = 2 chunks per rank)",
         ["schedule", "bubble", "throughput vs 1F1B", ""],
         [[s["name"], f"{s['bubble']:.1%}", f"{s['relative_throughput']:.2f}x", "<- this config" if s["selected"] else ""]
          for s in plan["schedules"]],
     )
-    dry = Table(
-        f"Dry run: fake process group of {plan['world_size']} ranks, meta device (GiB)",
-        ["rank", "pp", "stages", "local params", *(_MEMORY_HEADERS[k] for k in STATE_COMPONENTS),
-         "allocated", "estimate", "ratio", "actions"],
+
+
+def _dry_run_table(plan: dict[str, Any]) -> Table:
+    table = Table(
+        f"Dry run: {plan['world_size']} ranks on a fake process group, meta device (GiB; {plan['dry_run']['note']})",
+        ["rank", "pp", "local params", *(_HEADERS[k] for k in STATE_COMPONENTS), "allocated", "estimate", "ratio", "actions"],
         [],
     )
     for r in plan["dry_run"]["ranks"]:
-        counts = ", ".join(f"{n} {kind}" for kind, n in sorted(r["action_counts"].items()))
-        dry.rows.append([
-            str(r["rank"]), str(r["pp_rank"]), ",".join(map(str, r["stages"])), _count(r["local_parameters"]),
+        table.rows.append([
+            str(r["rank"]), str(r["pp_rank"]), _count(r["local_parameters"]),
             *(f"{gib(r['allocated'][k]):.2f}" for k in STATE_COMPONENTS),
-            f"{gib(sum(r['allocated'].values())):.2f}", f"{gib(sum(r['estimate'].values())):.2f}",
-            f"{r['ratio']:.3f}", counts or "-",
+            f"{gib(sum(r['allocated'].values())):.2f}", f"{gib(sum(r['estimate'].values())):.2f}", f"{r['ratio']:.3f}",
+            ", ".join(f"{n} {kind}" for kind, n in r["action_counts"].items()) or "-",
         ])
-    return [ranks, schedules, dry]
+    return table
 
 
 def _header(plan: dict[str, Any]) -> list[str]:
     m, l = plan["model"], plan["layout"]
+    schedule = l["schedule"] if l["pipeline_stages"] > 1 else "no pipeline"
     return [
         f"plan: {plan['config']} on {plan['nodes']} node(s) x {plan['gpus_per_node']} GPU(s) = {plan['world_size']} GPUs "
-        f"of {gib(plan['gpu_memory_bytes']):.1f} GiB",
-        f"model: preset {m['preset']}, {m['parameters']:,} parameters (dim {m['dim']}, {m['n_layers']} layers, "
+        f"of {gib(plan['gpu_memory_bytes']):g} GiB",
+        f"model: {m['preset']}, {m['parameters']:,} parameters (dim {m['dim']}, {m['n_layers']} layers, "
         f"{m['n_heads']} heads, {m['n_kv_heads']} KV heads, FFN {m['ffn_dim']}, vocab {m['vocab_size']})",
         f"layout: PP {l['pipeline_parallel']} x FSDP {l['data_parallel_shard']} x replicate {l['data_parallel_replicate']} "
-        f"x TP {l['tensor_parallel']} x CP {l['context_parallel']}; {l['schedule'] if l['pipeline_stages'] > 1 else 'no pipeline'}, "
-        f"{l['microbatches']} microbatch(es) of {l['microbatch_tokens']} tokens per rank, {l['tokens_per_step']:,} tokens per step",
+        f"x TP {l['tensor_parallel']} x CP {l['context_parallel']}; {schedule}, {l['microbatches']} microbatch(es) "
+        f"of {l['microbatch_tokens']} tokens per GPU, {l['tokens_per_step']:,} tokens per step",
         f"precision: weights {l['param_dtype']}, compute {l['compute_dtype']}, reduce {l['reduce_dtype']}"
-        f"{'' if l['fsdp_applied'] else ' (no FSDP2: streaming stages without data parallelism)'}; "
+        f"{'' if l['fsdp_applied'] else ' (no FSDP2: streaming stages without data parallelism)'}"
+        f"{'' if l['float8'] == 'none' else ', float8 ' + l['float8'] + ' linears'}; "
         f"activation checkpointing {l['activation_checkpoint']}; optimizer {l['optimizer']}"
         f"{' + error feedback' if l['error_feedback'] else ''}",
     ]
@@ -608,36 +624,39 @@ def _plain(table: Table) -> str:
     return "\n".join(lines)
 
 
+def _print_rich(header: list[str], tables: list[Table]) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table as RichTable
+
+    console = Console()
+    for line in header:
+        console.print(line, highlight=False)
+    for table in tables:
+        rich_table = RichTable(title=table.title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+        for i, column in enumerate(table.columns):
+            rich_table.add_column(column, justify="left" if i < table.left else "right")
+        for row in table.rows:
+            rich_table.add_row(*row)
+        console.print(rich_table)
+
+
 def print_plan(plan: dict[str, Any], as_json: bool) -> None:
     """One JSON object, rich tables on a terminal, or plain text."""
     if as_json:
         print(json.dumps(plan))
         return
-    tables = _tables(plan)
+    tables = [_memory_table(plan), _schedule_table(plan), _dry_run_table(plan)]
     if sys.stdout.isatty():
-        from rich.console import Console
-        from rich.table import Table as RichTable
-
-        console = Console()
-        for line in _header(plan):
-            console.print(line, highlight=False)
-        for table in tables:
-            rich_table = RichTable(title=table.title, title_justify="left")
-            for i, column in enumerate(table.columns):
-                rich_table.add_column(column, justify="left" if i < table.left else "right")
-            for row in table.rows:
-                rich_table.add_row(*row)
-            console.print(rich_table)
-        console.print(plan["dry_run"]["note"], highlight=False)
+        _print_rich(_header(plan), tables)
     else:
         print("\n".join(_header(plan)))
         for table in tables:
             print("\n" + _plain(table))
-        print(plan["dry_run"]["note"])
     for rank in plan["dry_run"]["ranks"]:
         if rank["actions"]:
-            shown = " ".join(rank["actions"][:16])
-            print(f"rank {rank['rank']} actions ({len(rank['actions'])}): {shown}{' ...' if len(rank['actions']) > 16 else ''}")
+            more = " ..." if len(rank["actions"]) > 16 else ""
+            print(f"rank {rank['rank']} actions ({len(rank['actions'])}): {' '.join(rank['actions'][:16])}{more}")
 
 
 def run_plan(run: RunConfig, cluster: Cluster, strict: bool, as_json: bool) -> int:

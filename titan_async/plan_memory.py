@@ -19,7 +19,7 @@ Per GPU, every pipeline rank's memory is the sum of these components (bytes):
   reshard after every forward and reduce after every backward): the largest unit
   gathered twice (current and prefetched) plus its unsharded gradient.
 - activations: microbatches held between forward and backward x activations of one
-  microbatch (see `block_activation_elements`), plus transients: the logits of the last
+  microbatch (see `block_activation_bytes`), plus transients: the logits of the last
   stage and, with full recomputation, one block recomputed for one microbatch.
 
 The first five are what a meta-device dry run allocates (`STATE_COMPONENTS`); the
@@ -121,29 +121,37 @@ def fsdp_buffer_bytes(stages: list[StageShape], setup: Setup) -> float:
     return largest * (2 * setup.compute_bytes + setup.reduce_bytes)
 
 
-def block_activation_elements(setup: Setup, mode: str | None = None) -> int:
-    """Elements one transformer block keeps per token for its backward.
+def block_activation_bytes(setup: Setup, mode: str | None = None) -> int:
+    """Bytes one transformer block keeps per token for its backward (eager torchtitan llama3).
 
-    none: both RMSNorm inputs and outputs (4 dim), q, k, v (dim + 2 kv_dim), the attention
-    output (dim), SwiGLU's two projections and their product (3 ffn_dim).
+    none: each RMSNorm keeps two float32 copies of its input (cast and normalized), 4 dim x
+    4 bytes; in the compute dtype, the two normalized outputs (2 dim), q, k, v after RoPE
+    (dim + 2 kv_dim), the attention output (dim) and SwiGLU's w1 and w3 outputs, the SiLU
+    output and their product (4 ffn_dim). Matches the tensors autograd saves on CPU
+    (tests/test_plan.py), apart from the seq x seq mask the dense CPU attention keeps.
     selective (torchtitan's per-op policy: attention and every second matmul saved): the
-    block input, q/k/v, the attention output, w1's and w2's outputs (4 dim + 2 kv_dim + ffn_dim).
+    block input, the wqkv, attention, w1 and w2 outputs (4 dim + 2 kv_dim + ffn_dim).
     full: the block input (dim).
+    Float8 linears count like the compute dtype: torchao's rowwise recipes save the
+    high-precision inputs for their backward.
     """
     mode = mode or setup.activation_checkpoint
+    c = setup.compute_bytes
     if mode == "full":
-        return setup.dim
+        return c * setup.dim
     if mode == "selective":
-        return 4 * setup.dim + 2 * setup.kv_dim + setup.ffn_dim
-    return 6 * setup.dim + 2 * setup.kv_dim + 3 * setup.ffn_dim
+        return c * (4 * setup.dim + 2 * setup.kv_dim + setup.ffn_dim)
+    return 16 * setup.dim + c * (4 * setup.dim + 2 * setup.kv_dim + 4 * setup.ffn_dim)
 
 
 def microbatch_activation_bytes(stage: StageShape, setup: Setup) -> float:
-    """Bytes one in-flight microbatch keeps on `stage`: its blocks, and on the last stage
-    the float32 log-softmax cross-entropy saves (tokens x vocab x 4)."""
-    blocks = stage.layers * setup.tokens * block_activation_elements(setup) * setup.compute_bytes
-    logits = setup.tokens * setup.vocab_size * 4 if stage.last else 0
-    return blocks + logits
+    """Bytes one in-flight microbatch keeps on `stage`: its blocks and, on the last stage, the
+    final norm (two float32 copies), the output head's input and the float32 log-softmax
+    that cross-entropy saves (tokens x vocab x 4)."""
+    per_token = stage.layers * block_activation_bytes(setup)
+    if stage.last:
+        per_token += 8 * setup.dim + setup.compute_bytes * setup.dim + 4 * setup.vocab_size
+    return setup.tokens * per_token
 
 
 def transient_activation_bytes(stages: list[StageShape], setup: Setup) -> float:
@@ -153,7 +161,7 @@ def transient_activation_bytes(stages: list[StageShape], setup: Setup) -> float:
     if any(s.last for s in stages):
         scratch += setup.tokens * setup.vocab_size * (setup.compute_bytes + 4)
     if setup.activation_checkpoint == "full" and any(s.layers for s in stages):
-        scratch += setup.tokens * block_activation_elements(setup, "none") * setup.compute_bytes
+        scratch += setup.tokens * block_activation_bytes(setup, "none")
     return scratch
 
 

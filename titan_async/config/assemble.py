@@ -17,7 +17,7 @@ from titan_async.model import build_model_spec
 from titan_async.pipeline.schedules import register as register_schedules, streaming_schedule
 from titan_async.trainer import AsyncTrainer
 
-_ACTIVATION_CHECKPOINTS = {"none": None, "selective": SelectiveAC.Config, "full": FullAC.Config}
+ACTIVATION_CHECKPOINTS = {"none": None, "selective": SelectiveAC.Config, "full": FullAC.Config}
 
 
 def tokenizer_vocab_size(tokenizer_dir: Path) -> int:
@@ -34,7 +34,7 @@ def plain_parameters(run: RunConfig, world_size: int) -> bool:
     return _weight_versions(run) and run.data_parallel_degree(world_size) == 1
 
 
-def _parallelism(run: RunConfig, world_size: int):
+def parallelism_for(run: RunConfig, world_size: int):
     """Weight versions under FSDP reshard after every forward, so that no FSDP unit keeps an
     all-gathered copy of another version: each forward and backward gathers the one it needs."""
     if _weight_versions(run) and not plain_parameters(run, world_size):
@@ -58,7 +58,7 @@ def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncT
     validator = dataclasses.replace(
         run.validation, dataloader=HuggingFaceTextDataLoader.Config(dataset=data.validation_dataset, infinite=False)
     )
-    activation_checkpoint = _ACTIVATION_CHECKPOINTS[run.activation_checkpoint.mode]
+    activation_checkpoint = ACTIVATION_CHECKPOINTS[run.activation_checkpoint.mode]
     try:
         return AsyncTrainer.Config(
             model_spec=model_spec,
@@ -70,7 +70,7 @@ def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncT
             optimizer=run.optimizer.container_config(),
             lr_scheduler=run.lr_scheduler,
             training=run.training,
-            parallelism=_parallelism(run, world_size),
+            parallelism=parallelism_for(run, world_size),
             checkpoint=run.checkpoint,
             metrics=run.metrics,
             activation_checkpoint=activation_checkpoint() if activation_checkpoint else None,

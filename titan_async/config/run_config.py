@@ -92,9 +92,10 @@ class RunConfig:
             )
         return shard * p.data_parallel_replicate_degree
 
-    def check(self, world_size: int) -> None:
-        """Raise UserError for settings that cannot work together on `world_size` processes."""
-        p, t = self.parallelism, self.training
+    def degree_mismatch(self, world_size: int) -> tuple[str, int] | None:
+        """("parallelism.X (a) x ...", product) when the parallel degrees cannot fill
+        `world_size` processes, else None."""
+        p = self.parallelism
         degrees = {
             "pipeline_parallel_degree": p.pipeline_parallel_degree,
             "tensor_parallel_degree": p.tensor_parallel_degree,
@@ -106,9 +107,17 @@ class RunConfig:
         product = 1
         for value in degrees.values():
             product *= value
-        fits = product == world_size if p.data_parallel_shard_degree != -1 else world_size % product == 0
-        if not fits:
-            named = " x ".join(f"parallelism.{k} ({v})" for k, v in degrees.items() if v != 1) or "the parallel degrees (1)"
+        if product == world_size or (p.data_parallel_shard_degree == -1 and world_size % product == 0):
+            return None
+        named = " x ".join(f"parallelism.{k} ({v})" for k, v in degrees.items() if v != 1) or "the parallel degrees (1)"
+        return named, product
+
+    def check(self, world_size: int) -> None:
+        """Raise UserError for settings that cannot work together on `world_size` processes."""
+        p, t = self.parallelism, self.training
+        mismatch = self.degree_mismatch(world_size)
+        if mismatch:
+            named, product = mismatch
             raise UserError(
                 f"{self.source}: {named} = {product}, but {world_size} process(es) run this job "
                 "(set --nproc-per-node, or change the degrees so their product is the number of processes)"

@@ -1,0 +1,213 @@
+"""`titan-async plan`: memory estimates, bubbles and the fake-process-group dry run, on CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torchtitan.distributed.activation_checkpoint import FullAC
+
+from conftest import CONFIGS, sets
+from titan_async import cli
+from titan_async.config.run_config import build_run_config, load_run_config
+from titan_async.plan import build_meta_model
+from titan_async.plan_memory import Setup, block_activation_bytes, bubble, compare_schedules, held_microbatches, parse_size
+
+pytestmark = pytest.mark.filterwarnings("ignore:DTensor random operators")  # initializing meta DTensors
+SHIPPED = sorted(CONFIGS.glob("*.toml"))
+TEN_B = CONFIGS / "10b_2bw_muon.toml"
+_PLANS: dict[str, dict] = {}
+
+
+def cluster_of(path: Path) -> tuple[int, int]:
+    """(nodes, GPUs per node) a shipped config is written for."""
+    if path.stem.startswith("10b_"):
+        return 8, 8
+    if path.stem.startswith("1b_"):
+        return 1, 8
+    p = load_run_config(path).parallelism
+    gpus = p.pipeline_parallel_degree * p.tensor_parallel_degree * p.context_parallel_degree
+    return 1, gpus * p.data_parallel_replicate_degree * max(1, p.data_parallel_shard_degree)
+
+
+def plan(capsys, *args: str) -> tuple[int, str, str]:
+    """Run `titan-async plan ARGS` in-process: (exit status, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plan", *args])
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
+
+
+def plan_json(capsys, path: Path) -> dict:
+    """The --json plan of a shipped config on its cluster with 80 GiB GPUs (computed once)."""
+    if path.stem not in _PLANS:
+        nodes, gpus = cluster_of(path)
+        code, out, err = plan(capsys, "--config", str(path), "--nodes", str(nodes), "--gpus-per-node", str(gpus), "--json")
+        assert code == 0, err
+        _PLANS[path.stem] = json.loads(out)
+    return _PLANS[path.stem]
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_every_shipped_config_plans_and_its_dry_run_matches_the_estimate(path, capsys):
+    result = plan_json(capsys, path)
+    nodes, gpus = cluster_of(path)
+    assert result["world_size"] == nodes * gpus
+    inspected = result["dry_run"]["ranks"]
+    assert inspected[0]["rank"] == 0 and inspected[-1]["rank"] == nodes * gpus - 1
+    for rank in inspected:
+        assert 0.9 <= rank["ratio"] <= 1.1, rank
+    if result["layout"]["pipeline_parallel"] > 1:
+        assert all(rank["action_counts"]["F"] >= result["layout"]["microbatches"] for rank in inspected)
+
+
+def test_ten_b_model_has_about_ten_billion_parameters(capsys):
+    model = plan_json(capsys, TEN_B)["model"]
+    assert 9.5e9 <= model["parameters"] <= 10.5e9
+    assert (model["dim"], model["n_layers"], model["n_kv_heads"], model["vocab_size"]) == (5120, 40, 8, 128256)
+
+
+def test_ten_b_fits_64_gpus_of_80gib_and_the_estimate_is_within_10_percent_of_the_dry_run(capsys):
+    result = plan_json(capsys, TEN_B)
+    assert result["world_size"] == 64 and result["gpu_memory_bytes"] == 80 * 2**30
+    assert result["fits"] and result["peak_bytes"] <= 80 * 2**30
+    assert [r["pp_rank"] for r in result["ranks"]] == list(range(8))
+    inspected = {r["rank"]: r for r in result["dry_run"]["ranks"]}
+    assert {0, 56, 63} <= set(inspected)
+    for rank in inspected.values():
+        assert rank["fsdp_wrapped"]
+        stage_parameters = result["ranks"][rank["pp_rank"]]["parameters"]
+        assert rank["local_parameters"] == pytest.approx(stage_parameters / 8, rel=0.01)
+        allocated, estimate = sum(rank["allocated"].values()), sum(rank["estimate"].values())
+        assert abs(allocated / estimate - 1) <= 0.10, rank
+        assert rank["allocated"]["weight_versions"] > 0 and rank["allocated"]["error_feedback"] > 0
+    assert "estimates only" in result["dry_run"]["note"]
+
+
+def test_ten_b_dry_run_builds_each_ranks_streaming_action_list(capsys):
+    result = plan_json(capsys, TEN_B)
+    m = result["layout"]["microbatches"]
+    inspected = {r["rank"]: r for r in result["dry_run"]["ranks"]}
+    first, last = inspected[0], inspected[63]
+    assert first["actions"][:9] == [f"0F{k}" for k in range(8)] + ["0B0"]
+    assert last["actions"][:4] == ["7F0", "7B0", "7F1", "7B1"]
+    assert first["action_counts"] == {"F": 2 * m, "B": 2 * m}
+
+
+def test_ten_b_streaming_schedules_have_no_bubble_and_beat_1f1b(capsys):
+    schedules = {s["name"]: s for s in plan_json(capsys, TEN_B)["schedules"]}
+    assert schedules["PipeDream2BW"]["selected"] and schedules["PipeDream2BW"]["bubble"] == 0
+    assert schedules["1F1B"]["bubble"] == pytest.approx(7 / 39)
+    assert schedules["PACI"]["relative_throughput"] == pytest.approx(39 / 32)
+
+
+def test_uneven_fsdp_shards_are_measured_not_assumed(capsys):
+    code, out, _ = plan(capsys, "--config", "debug_cpu", "--gpus-per-node", "3", "--json")
+    ranks = json.loads(out)["dry_run"]["ranks"]
+    assert code == 0 and [r["rank"] for r in ranks] == [0, 2]
+    assert ranks[0]["estimate"] == ranks[1]["estimate"]
+    assert ranks[0]["allocated"]["weights"] > ranks[1]["allocated"]["weights"]
+
+
+def test_tied_weights_are_counted_once_as_training_ties_them(capsys):
+    code, out, _ = plan(capsys, "--config", "debug_cpu", *sets("model.weight_tying=yes"), "--json")
+    result = json.loads(out)
+    (rank,) = result["dry_run"]["ranks"]
+    assert code == 0 and rank["local_parameters"] == result["model"]["parameters"] and rank["ratio"] == pytest.approx(1, rel=1e-3)
+
+
+def test_text_output_has_the_memory_schedule_and_dry_run_tables(capsys):
+    code, out, err = plan(capsys, "--config", "debug_cpu_pp2_2bw", "--gpus-per-node", "2")
+    assert code == 0 and not err
+    for text in ("Memory per GPU", "Schedules (p = 2 stages, m = 4 microbatches", "Dry run", "estimates only", "rank 1 actions"):
+        assert text in out
+
+
+def test_warns_when_a_rank_does_not_fit_and_strict_exits_1(capsys):
+    code, _, err = plan(capsys, "--config", "debug_cpu_pp2", "--gpus-per-node", "2", "--gpu-memory", "1MiB")
+    assert code == 0 and "will not fit" in err
+    code, _, err = plan(capsys, "--config", str(CONFIGS / "1b_2bw_muon.toml"), "--gpus-per-node", "8", "--gpu-memory", "8GiB", "--strict")
+    assert code == 1 and "pipeline rank 0 (GPUs 0-1) needs" in err
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--nodes", "0"], "--nodes 0"),
+        (["--gpus-per-node", "-2"], "--gpus-per-node -2"),
+        (["--gpu-memory", "lots"], "--gpu-memory 'lots'"),
+        (["--gpu-memory", "80"], "--gpu-memory '80'"),
+        (["--config", "debug_cpu_pp2", "--gpus-per-node", "3"], "parallelism.pipeline_parallel_degree (2)"),
+        (["--config", "debug_cpu", *sets("data.tokenizer=/nonexistent")], "data.tokenizer = '/nonexistent'"),
+        (["--config", "debug_cpu", *sets("parallelism.pipeline_parallel_schedule=2BW")], "parallelism.pipeline_parallel_schedule = '2BW'"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_argument_with_status_2(args, named, capsys):
+    code, _, err = plan(capsys, *args)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("titan-async: ")
+    assert named in err
+
+
+def test_world_size_error_names_the_cluster_arguments(capsys):
+    _, _, err = plan(capsys, "--config", "debug_cpu_pp2", "--nodes", "1", "--gpus-per-node", "3")
+    assert "--nodes 1 x --gpus-per-node 3 = 3 GPUs" in err
+
+
+def test_bubble_formulas():
+    assert bubble("1F1B", 2, 4) == pytest.approx(0.2)
+    assert bubble("GPipe", 4, 8) == pytest.approx(3 / 11)
+    assert bubble("1F1B", 8, 8) == pytest.approx(7 / 15)
+    assert bubble("Interleaved1F1B", 8, 8) == pytest.approx(7 / 23)
+    assert bubble("PACI", 8, 8) == bubble("PipeDream2BW", 8, 8) == 0
+    ratios = {s["name"]: s["relative_throughput"] for s in compare_schedules(8, 8)}
+    assert ratios["1F1B"] == 1 and ratios["PipeDream2BW"] == pytest.approx(15 / 8)
+
+
+def test_held_microbatches():
+    assert [held_microbatches("1F1B", s, 4, 8, 1) for s in range(4)] == [4, 3, 2, 1]
+    assert [held_microbatches("PipeDream2BW", s, 4, 2, 1) for s in range(4)] == [2, 2, 2, 1]
+    assert held_microbatches("GPipe", 0, 4, 8, 1) == 8
+    assert held_microbatches("Interleaved1F1B", 0, 4, 8, 2) == 11
+
+
+def test_parse_size():
+    assert parse_size("80GiB") == 80 * 2**30
+    assert parse_size("141 GB") == 141 * 10**9
+    assert parse_size("1.5tib") == int(1.5 * 2**40)
+    for bad in ("80", "lots", "0GiB", "-1GiB", "80 GiBs"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+@pytest.mark.filterwarnings("ignore:Casting complex values")
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_block_activation_formula_matches_what_autograd_saves(mode):
+    """Selective checkpointing keeps its saves out of saved-tensor hooks, so only none and full."""
+    dim, kv_dim, ffn_dim, seq = 256, 128, 512, 96
+    sizes = {"dim": dim, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 256, "ffn_dim_multiplier": 0.75}
+    run = build_run_config({"model": {**sizes, "vocab_size": 512}}, "test")
+    model = build_meta_model(run, 512, fsdp=False).spec.model.build()
+    model.init_weights(buffer_device=None)
+    model = model.to(torch.bfloat16)
+    if mode == "full":
+        FullAC.Config().build().apply(model)
+    positions = torch.arange(seq).unsqueeze(0)
+    masks = model.get_attention_masks(positions)
+    x = torch.randn(1, seq, dim, dtype=torch.bfloat16, requires_grad=True)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.shape[-3:] != (1, seq, seq):  # the dense CPU attention's mask; GPUs keep none
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.layers["0"](x, attention_masks=masks, positions=positions)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    measured = sum(n for ptr, n in saved.items() if ptr not in weights)
+    setup = Setup(dim=dim, kv_dim=kv_dim, ffn_dim=ffn_dim, vocab_size=512, tokens=seq, param_bytes=2, compute_bytes=2,
+                  reduce_bytes=4, weight_shards=1, fsdp=False, unsharded_for_step=False, version_copies=0,
+                  optimizer="adamw", error_feedback=False, activation_checkpoint=mode)
+    assert measured == pytest.approx(seq * block_activation_bytes(setup), rel=0.03)
