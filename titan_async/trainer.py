@@ -144,7 +144,6 @@ class AsyncTrainer(Trainer):
         policies = self._attach_weight_policies()
         if policies and self.checkpointer.enable:
             self.checkpointer.states["weight_versions"] = WeightVersionState(policies, self)
-        write_param_group_table(self.optimizers, config.dump_folder)
 
     def _attach_weight_policies(self) -> dict[int, tuple[Any, list[str]]]:
         """Stage -> (weight policy, parameter names) of a streaming schedule, its emulation,
@@ -377,6 +376,7 @@ class AsyncTrainer(Trainer):
         return True
 
     def train(self) -> None:
+        write_param_group_table(self.optimizers, self.config.dump_folder)
         self.metrics_processor.start_display(self.config.training.steps)
         try:
             super().train()
