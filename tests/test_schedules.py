@@ -55,13 +55,16 @@ def test_bad_schedule_settings(capsys, tmp_path, assignment, message):
     assert exit_info.value.code == 2 and message in err and len(err.splitlines()) == 1, err
 
 
-def test_streaming_schedule_rejects_data_parallelism(capsys, tmp_path):
+def test_streaming_schedule_rejects_replicated_stages(capsys, tmp_path):
     from titan_async import cli
 
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         cli.main(["train", "--config", str(CONFIGS / "debug_cpu_pp2_fsdp2.toml"), "--nproc-per-node", "4",
-                  "--run-dir", str(tmp_path / "run"), *sets("parallelism.pipeline_parallel_schedule=PACI")])
-    assert "'PACI' does not support data parallelism" in capsys.readouterr().err
+                  "--run-dir", str(tmp_path / "run"),
+                  *sets("parallelism.pipeline_parallel_schedule=PACI", "parallelism.data_parallel_shard_degree=1",
+                        "parallelism.data_parallel_replicate_degree=2")])
+    assert exit_info.value.code == 2
+    assert "'PACI' does not support parallelism.data_parallel_replicate_degree > 1" in capsys.readouterr().err
 
 
 STEPS = 6
@@ -164,4 +167,4 @@ def test_2bw_with_muon_and_error_feedback_trains(tmp_path):
     run = train(tmp_path / "run", "training.local_batch_size=8", nproc="2", config="debug_cpu_pp2_2bw.toml")
     logged = metrics(run, "validation")
     assert logged[STEPS]["validation_metrics/loss"] < logged[1]["validation_metrics/loss"] - 0.05
-    assert "muon" in (run / "optimizer_groups.txt").read_text()
+    assert "Muon" in (run / "optimizer_groups.txt").read_text()
