@@ -1,0 +1,155 @@
+"""The staleness study's table logic (tools/staleness_study.py) on synthetic metrics files."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parent.parent / "tools" / "staleness_study.py"
+_SPEC = importlib.util.spec_from_file_location("staleness_study", _PATH)
+study = importlib.util.module_from_spec(_SPEC)
+sys.modules["staleness_study"] = study
+_SPEC.loader.exec_module(study)
+Arm = study.Arm
+
+# Final validation losses at seed 0 of a study where the paper's ordering holds.
+SEED0 = {
+    Arm("adamw", 0, False): 4.00,
+    Arm("adamw", 0, True): 4.01,
+    Arm("adamw", 1, False): 4.30,
+    Arm("adamw", 1, True): 4.10,
+    Arm("muon", 0, False): 3.80,
+    Arm("muon", 0, True): 3.80,
+    Arm("muon", 1, False): 3.84,
+    Arm("muon", 1, True): 3.81,
+}
+# Seed 1: every loss 0.05 higher, except AdamW delay 1 (gap 0.28 instead of 0.30).
+SEED1 = {arm.at(1): loss + 0.05 - (0.02 if arm == Arm("adamw", 1, False) else 0) for arm, loss in SEED0.items()}
+
+
+def write_run(runs_dir: Path, arm: Arm, final: float) -> None:
+    """A run directory whose metrics.jsonl ends at validation loss `final` (step 20)."""
+    run = runs_dir / arm.name
+    run.mkdir(parents=True)
+    records = []
+    for step in range(1, 21):
+        records.append({"step": step, "kind": "train", "loss_metrics/global_avg_loss": final + 1 / step, "grad_norm": 1.0})
+        if step in (1, 10, 20):
+            records.append({"step": step, "kind": "validation", "validation_metrics/loss": final + (20 - step) / 100})
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    (run / "config.toml").write_text(f'[optimizer]\nname = "{arm.optimizer}"\n')
+
+
+def write_runs(runs_dir: Path, finals: dict) -> Path:
+    for arm, final in finals.items():
+        write_run(runs_dir, arm, final)
+    return runs_dir
+
+
+def rows_of(runs_dir: Path, seeds: list[int], noise_seeds: list[int] = ()) -> list:
+    return study.build_table(study.collect(study.study_arms(seeds, noise_seeds), runs_dir))
+
+
+def test_arms_interleave_optimizers_and_names_are_unique():
+    arms = study.study_arms([0, 1], noise_seeds=[1, 2])
+    assert len(arms) == 18 and len({a.name for a in arms}) == 18
+    assert [a.optimizer for a in arms] == ["adamw", "muon"] * 9
+    assert set(arms[:8]) == set(SEED0) and arms[8] == Arm("adamw", 0, False, 1)
+    assert arms[-2:] == [Arm("adamw", 0, False, 2), Arm("muon", 0, False, 2)]
+    assert Arm("muon", 1, True, 2).name == "muon-delay1-ef-seed2"
+    assert "training.gradient_delay=1" in Arm("muon", 1, True).overrides()
+
+
+def test_load_curves_and_finished(tmp_path: Path):
+    write_run(tmp_path, Arm("adamw", 1, False), 4.3)
+    curves = study.load_curves(tmp_path / "adamw-delay1" / "metrics.jsonl")
+    assert len(curves.train) == 20 and [s for s, _ in curves.validation] == [1, 10, 20]
+    assert curves.final_validation == pytest.approx(4.30)
+    assert study.finished(tmp_path / "adamw-delay1", 20) and not study.finished(tmp_path / "adamw-delay1", 30)
+
+
+def test_gaps_and_recovery_at_one_seed(tmp_path: Path):
+    rows = rows_of(write_runs(tmp_path, SEED0), [0])
+    by_arm = {r.arm: r for r in rows}
+    assert [r.arm.optimizer for r in rows] == ["adamw"] * 4 + ["muon"] * 4
+    assert by_arm[Arm("adamw", 1, False)].gaps == {0: pytest.approx(0.30)}
+    assert by_arm[Arm("muon", 1, False)].mean_gap == pytest.approx(0.04)
+    assert by_arm[Arm("adamw", 1, True)].mean_gap_same_ef == pytest.approx(0.09)
+    assert by_arm[Arm("adamw", 1, True)].ef_recovery == pytest.approx(2 / 3)
+    assert by_arm[Arm("muon", 1, True)].ef_recovery == pytest.approx(0.75)
+    assert by_arm[Arm("adamw", 0, True)].ef_recovery is None
+    noise = study.measure_noise(rows)
+    assert noise.gap is None and noise.sync is None and noise.threshold == 0
+
+
+def test_noise_and_claims_over_two_seeds(tmp_path: Path):
+    runs = write_runs(tmp_path, {**SEED0, **SEED1})
+    rows = rows_of(runs, [0, 1])
+    by_arm = {r.arm: r for r in rows}
+    assert by_arm[Arm("adamw", 1, False)].gaps == {0: pytest.approx(0.30), 1: pytest.approx(0.28)}
+    assert by_arm[Arm("adamw", 1, False)].mean_gap == pytest.approx(0.29)
+    noise = study.measure_noise(rows)
+    assert noise.gap == pytest.approx(0.02) and noise.sync == pytest.approx(0.05) and noise.threshold == pytest.approx(0.04)
+
+    claims = study.check_ordering(rows, noise.threshold)
+    assert claims[0].margins == {0: pytest.approx(0.26), 1: pytest.approx(0.24)}
+    # AdamW's EF margin (0.20, 0.18) clears 0.04; Muon's (0.03 at both seeds) does not.
+    assert [c.holds for c in claims] == [True, True, False]
+
+
+def test_sync_repeats_give_the_threshold_without_delayed_repeats(tmp_path: Path):
+    runs = write_runs(tmp_path, {**SEED0, Arm("adamw", 0, False, 1): 4.02, Arm("muon", 0, False, 1): 3.79})
+    noise = study.measure_noise(rows_of(runs, [0], noise_seeds=[1]))
+    assert noise.gap is None and noise.sync == pytest.approx(0.02) and noise.threshold == pytest.approx(0.04)
+
+
+def test_ordering_fails_when_muon_suffers_more(tmp_path: Path):
+    runs = write_runs(tmp_path, {**SEED0, Arm("muon", 1, False): 4.34})
+    claims = study.check_ordering(rows_of(runs, [0]), threshold=0.0)
+    assert claims[0].holds is False and claims[0].mean == pytest.approx(0.30 - 0.54)
+
+
+def test_a_claim_must_hold_at_every_seed():
+    claim = study.Claim("x", {0: 0.5, 1: -0.01}, threshold=0.1)
+    assert claim.mean > claim.threshold and not claim.holds
+
+
+def test_missing_reference_run_is_an_error(tmp_path: Path):
+    runs = write_runs(tmp_path, {a: v for a, v in SEED0.items() if a != Arm("muon", 0, False)})
+    with pytest.raises(KeyError, match="muon-sync"):
+        rows_of(runs, [0])
+
+
+def test_table_csv(tmp_path: Path):
+    rows = rows_of(write_runs(tmp_path / "runs", {**SEED0, **SEED1}), [0, 1])
+    study.write_table_csv(rows, tmp_path / "table.csv")
+    with open(tmp_path / "table.csv", newline="") as f:
+        records = list(csv.DictReader(f))
+    assert len(records) == 16 and records[0]["arm"] == "adamw-sync" and records[1]["arm"] == "adamw-sync-seed1"
+    delayed = next(r for r in records if r["arm"] == "adamw-delay1-ef-seed1")
+    assert delayed["seed"] == "1" and float(delayed["final_validation_loss"]) == pytest.approx(4.15)
+    assert float(delayed["gap_to_sync"]) == pytest.approx(0.10)
+    assert float(delayed["gap_to_sync_same_ef"]) == pytest.approx(0.09)
+
+
+def test_report_writes_results_and_keeps_the_analysis(tmp_path: Path):
+    runs = write_runs(tmp_path / "runs", {**SEED0, **SEED1})
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "README.md").write_text("old table\n\n## Analysis\n\nhand-written text\n")
+    study.report(study.study_arms([0, 1]), runs, out, {Arm("adamw", 0, False): 12.0}, ["- command: `x`"])
+    readme = (out / "README.md").read_text()
+    assert "| AdamW delay 1 | 4.3000 | 4.3300 | +0.3000 | +0.2800 | +0.2900 | +0.2900 |  |" in readme
+    assert "old table" not in readme and readme.endswith("## Analysis\n\nhand-written text\n")
+    assert "-> holds" in readme and "- command: `x`" in readme
+    assert {p.name for p in (out / "configs").iterdir()} == {f"{a.name}.toml" for a in {**SEED0, **SEED1}}
+    assert (out / "curves.png").stat().st_size > 0
+    with open(out / "curves.csv", newline="") as f:
+        assert sum(1 for r in csv.DictReader(f) if r["kind"] == "validation") == 3 * 16
+    with open(out / "table.csv", newline="") as f:
+        assert next(csv.DictReader(f))["wall_s"] == "12.0"
