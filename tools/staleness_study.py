@@ -167,9 +167,8 @@ def build_table(curves: dict[Arm, Curves], wall_s: dict[Arm, float] | None = Non
         seeds = sorted(a.seed for a in curves if a.at(0) == arm)
         gaps = _gaps(curves, arm, reference)
         recovery = None
-        plain = arm.at(0, ef=False)
         if arm.delay and arm.ef:
-            plain_gaps = _gaps(curves, plain, reference)
+            plain_gaps = _gaps(curves, arm.at(0, ef=False), reference)
             common = [s for s in gaps if s in plain_gaps]
             plain_mean = _mean([plain_gaps[s] for s in common])
             if plain_mean > 0:
@@ -190,8 +189,8 @@ class Noise:
     """Seed-to-seed noise of the final validation loss.
     `gap`: largest (max - min over seeds) of a delayed or EF arm's gap, None with fewer than two
     seeds of such an arm; `sync`: largest (max - min over seeds) of a synchronous no-EF final loss,
-    None without repeats. A gap is a paired difference (same seed, init and data), so `gap` is its
-    noise; `sync` also contains the init-to-init variation that a gap cancels."""
+    None without repeats. The claims compare gaps (differences between arms at the same seed), so
+    `gap` is the noise that matters; `sync` stands in for it when no delayed arm was repeated."""
 
     gap: float | None
     sync: float | None
