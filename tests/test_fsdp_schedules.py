@@ -24,9 +24,20 @@ def test_2bw_with_fsdp_equals_delayed_reference_with_fsdp(tmp_path):
     assert_close_weights(final_weights(pipelined), final_weights(reference))
 
 
-def test_2bw_with_fsdp_resumes_exactly(tmp_path):
-    full = train(tmp_path / "full", "parallelism.pipeline_parallel_schedule=PipeDream2BW")
-    split = train(tmp_path / "split", "parallelism.pipeline_parallel_schedule=PipeDream2BW", "training.steps=3")
+def test_paci_with_fsdp_equals_its_emulation_with_fsdp(tmp_path):
+    paci = ("parallelism.pipeline_parallel_schedule=PACI", "parallelism.paci.accumulation=2")
+    emulated = train(tmp_path / "emulated", *paci, "parallelism.emulated_stages=2",
+                     layout=("--config", str(CONFIGS / "debug_cpu_fsdp2.toml"), "--nproc-per-node", "2"))
+    pipelined = train(tmp_path / "paci", *paci)
+    assert_same_run(emulated, pipelined)
+    assert_close_weights(final_weights(pipelined), final_weights(emulated))
+
+
+@pytest.mark.parametrize("schedule", ["PipeDream2BW", "PACI"])
+def test_streaming_schedule_with_fsdp_resumes_exactly(tmp_path, schedule):
+    common = (f"parallelism.pipeline_parallel_schedule={schedule}", "parallelism.paci.accumulation=2")
+    full = train(tmp_path / "full", *common)
+    split = train(tmp_path / "split", *common, "training.steps=3")
     run_cli("resume", "--run-dir", str(split), *sets(f"training.steps={STEPS}"))
     assert_same_run(full, split, rel=1e-6)
 

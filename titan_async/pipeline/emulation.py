@@ -7,8 +7,6 @@ weight policy, exactly as one rank of the real pipeline would.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part
 from torchtitan.protocols.module import ModuleDict
@@ -28,8 +26,8 @@ def stage_modules(parallelism, num_layers: int) -> list[list[str]]:
 
 def stage_view(model: torch.nn.Module, names: list[str]) -> torch.nn.Module:
     """A shallow copy of `model` holding only the modules in `names` (parameters shared)."""
-    view = copy.copy(model)
-    view._modules = dict(model._modules)
+    view = object.__new__(type(model))  # not copy.copy: FSDP's __new__ would build the unwrapped class
+    view.__dict__.update(model.__dict__, _modules=dict(model._modules))
     keep = set(names)
     for child_name, child in model.named_children():
         if isinstance(child, (torch.nn.ModuleDict, ModuleDict)):
