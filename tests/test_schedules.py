@@ -113,9 +113,11 @@ def assert_close_weights(result: dict, reference: dict) -> None:
         assert difference < 1e-5, (key, float(difference))
 
 
-def test_1f1b_equals_no_pipeline(tmp_path):
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_synchronous_schedule_equals_no_pipeline(tmp_path, schedule):
     plain = train(tmp_path / "plain")
-    pipelined = train(tmp_path / "pp", "parallelism.pipeline_parallel_microbatch_size=1", nproc="2", config="debug_cpu_pp2.toml")
+    pipelined = train(tmp_path / "pp", "parallelism.pipeline_parallel_microbatch_size=1", f"parallelism.pipeline_parallel_schedule={schedule}",
+                      nproc="2", config="debug_cpu_pp2.toml")
     assert_same_run(plain, pipelined)
 
 

@@ -98,6 +98,7 @@ class StopRequest:
         self.reason: str | None = None
         self.received_at = 0.0
         self.patience = patience
+        self.pending: tuple[torch.Tensor, dist.Work] | None = None
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
@@ -112,11 +113,19 @@ class StopRequest:
         self.reason = self.reason or reason
 
     def agreed(self, device: torch.device) -> str | None:
-        """The reason to stop that any rank has, on every rank (one all-reduce per call)."""
+        """The reason to stop that any rank had at its previous call, on every rank.
+
+        Each call starts one all-reduce and waits for the previous call's, which has long
+        finished: a step boundary is then no synchronisation point, so a streaming
+        pipeline keeps flowing across it. A stop takes effect one step after the request."""
         code = torch.tensor([self.REASONS.index(self.reason)], device=device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(code, op=dist.ReduceOp.MAX)
-        return self.REASONS[int(code.item())]
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return self.REASONS[int(code.item())]
+        previous, self.pending = self.pending, (code, dist.all_reduce(code, op=dist.ReduceOp.MAX, async_op=True))
+        if previous is None:
+            return None
+        previous[1].wait()
+        return self.REASONS[int(previous[0].item())]
 
 
 class AsyncTrainer(Trainer):
@@ -245,7 +254,7 @@ class AsyncTrainer(Trainer):
         step_optimizer = self.optimizers.step
         # The optimizer's own parameters: FSDP may leave other (unsharded) ones registered on the modules.
         params = [p for optimizer in self.optimizers.optimizers for group in optimizer.param_groups for p in group["params"]]
-        stage = self.pp_schedule._stage.stage_index if self.parallel_dims.pp_enabled else 0
+        stage = self._first_local_stage() if self.parallel_dims.pp_enabled else 0
         skipped = self.health.skipped
 
         def guarded_update() -> None:
@@ -260,6 +269,11 @@ class AsyncTrainer(Trainer):
                 raise
         finally:
             del self.optimizers.step
+
+    def _first_local_stage(self) -> int:
+        """Index of this rank's (first) pipeline stage: interleaved schedules hold several."""
+        schedule = self.pp_schedule
+        return (schedule._stages if hasattr(schedule, "_stages") else [schedule._stage])[0].stage_index
 
     def _delayed_train_step(self, data_iterator) -> None:
         """One step of W[k+1] = W[k] - Opt(grad f_k(W[k-1])): torchtitan's step with the
