@@ -335,8 +335,8 @@ class AsyncTrainer(Trainer):
 
     def _record_rank_step(self) -> None:
         """This rank's pipeline scalars for the step (end time, step time, peak memory; with a
-        streaming schedule the bubble, the staleness of the applied gradient and the error-feedback
-        correction norm): appended to <run-dir>/pipeline/rank<R>.jsonl and written to TensorBoard
+        streaming schedule the bubble, the staleness of the applied gradient and the memory of
+        weight versions beyond the live weights; the error-feedback correction norm): appended to <run-dir>/pipeline/rank<R>.jsonl and written to TensorBoard
         under tb/pipeline/rank<R>, since metrics.jsonl only holds the reporting rank's view."""
         now, rank = time.time(), dist.get_rank()
         record = {
@@ -349,6 +349,7 @@ class AsyncTrainer(Trainer):
         if self.stream is not None:
             record["bubble"] = self.timeline.bubble() if self.timeline else None
             record["staleness"] = self._staleness()
+            record["weight_versions_gib"] = sum(e.policy.extra_bytes() for e in self.stream.executors) / 2**30
         correction = getattr(self.optimizers, "error_feedback_norm", lambda: None)()
         if correction is not None:
             record["ef_correction_norm"] = float(correction)

@@ -111,6 +111,12 @@ class TwoVersions:
         """Learning-rate steps owed so far: one per batch applied (counting the one being applied)."""
         return self.updates
 
+    def extra_bytes(self) -> int:
+        """Bytes of the version buffers that are not the parameters' own storage."""
+        live = {_local(p).untyped_storage().data_ptr() for p in self.params}
+        buffers = [t for version in self.buffers if version is not None for t in version]
+        return sum(t.untyped_storage().nbytes() for t in buffers if t.untyped_storage().data_ptr() not in live)
+
     def state_dict(self, names: list[str], step: int) -> dict[str, torch.Tensor]:
         """After `step` steps the parameters hold the latest version U_{step+1} = W[step];
         this is the other one, U_step, which the next batch still uses, sharded like the
@@ -168,6 +174,10 @@ class LocalAccumulation:
     def lr_steps_due(self) -> int:
         """Learning-rate steps owed so far: one per `microbatches` local backwards."""
         return self.count // self.microbatches
+
+    def extra_bytes(self) -> int:
+        """No weight copies: PACI keeps only the live parameters."""
+        return 0
 
     def state_dict(self, names: list[str], step: int) -> dict[str, torch.Tensor]:
         """Backward count and the gradients accumulated since the last local step."""
