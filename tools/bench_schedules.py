@@ -140,21 +140,29 @@ def report(results: dict[str, list[dict]], weights: dict[int, float], args) -> N
     stem = args.out / f"bench_schedules_p{p}_m{m}"
     with open(stem.with_suffix(".csv"), "w", newline="") as f:
         csv.writer(f).writerows([header] + rows)
+    plot(rows, p, m, stem.with_suffix(".png"))
+    print(f"saved {stem}.csv and {stem}.png")
+
+
+def plot(rows: list[list[str]], p: int, m: int, path: Path) -> None:
+    """Bar chart of tokens/s per schedule, labelled with the ratio to 1F1B."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(8, 3.8))
     speeds = [float(row[1].replace(",", "")) for row in rows]
     ax.bar([row[0] for row in rows], speeds, color=["tab:gray" if row[0] not in STREAMING else "tab:blue" for row in rows])
     for i, row in enumerate(rows):
         ax.text(i, speeds[i], row[2], ha="center", va="bottom")
+    ax.margins(y=0.12)
+    ax.tick_params(axis="x", labelsize=8)
     ax.set_ylabel("tokens/s")
     ax.set_title(f"pipeline schedules, p={p}, m={m} (labels: ratio to 1F1B)")
     fig.tight_layout()
-    fig.savefig(stem.with_suffix(".png"), dpi=120)
-    print(f"saved {stem}.csv and {stem}.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
