@@ -59,3 +59,29 @@ def test_sigterm_saves_a_resumable_checkpoint(tmp_path):
     run_cli("resume", "--run-dir", str(run_dir), *sets(f"training.steps={stopped + 2}"))
     assert max(losses(run_dir)) == stopped + 2
     assert not (run_dir / "stopped.json").exists()
+
+
+@pytest.fixture(scope="module")
+def two_step_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("two_steps") / "run"
+    run_cli("train", "--run-dir", str(run_dir), *sets(*TINY, "training.steps=2"))
+    return run_dir
+
+
+@pytest.mark.parametrize(
+    "assignment, key",
+    [
+        ("optimizer.name=muon", "optimizer.name"),
+        ("optimizer.error_feedback.enabled=true", "optimizer.error_feedback.enabled"),
+        ("training.gradient_delay=1", "training.gradient_delay"),
+    ],
+)
+def test_resume_refuses_settings_the_checkpoint_has_no_state_for(two_step_run, capsys, assignment, key):
+    from titan_async import cli
+
+    run_dir = two_step_run
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["resume", "--run-dir", str(run_dir), *sets("training.steps=4", assignment)])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and key in err and "start a new run" in err and len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in (run_dir / "checkpoint").iterdir()) == ["step-2"]

@@ -100,7 +100,7 @@ def _train(args) -> int:
 
 def _resume(args) -> int:
     from titan_async import launch, run_dir as runs
-    from titan_async.config.assemble import trainer_config
+    from titan_async.config.assemble import check_resumable, trainer_config
     from titan_async.config.run_config import load_run_config, render_toml
 
     settings = runs.load_launch(args.run_dir)
@@ -109,6 +109,7 @@ def _resume(args) -> int:
         raise UserError(f"--run-dir {args.run_dir}: no complete checkpoint to resume from (checkpoint/step-N/.metadata)")
     nproc = args.nproc_per_node or settings["nproc_per_node"]
     run = load_run_config(args.run_dir / "config.toml", args.set)
+    check_resumable(load_run_config(args.run_dir / "config.toml", []), run)
     run.check(launch.world_size(nproc))
     trainer_config(run, args.run_dir, launch.world_size(nproc))
     if launch.is_coordinator():

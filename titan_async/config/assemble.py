@@ -28,6 +28,32 @@ def _weight_versions(run: RunConfig) -> bool:
     return bool(run.training.gradient_delay or streaming_schedule(run.parallelism.pipeline_parallel_schedule))
 
 
+def checkpoint_contents(run: RunConfig) -> dict[str, object]:
+    """The settings that decide which states a checkpoint holds, by the keys that set them."""
+    p = run.parallelism
+    versions = None
+    if run.training.gradient_delay:
+        versions = "gradient_delay = 1"
+    elif streaming_schedule(p.pipeline_parallel_schedule):
+        versions = f"{p.pipeline_parallel_schedule} on {p.emulated_stages or p.pipeline_parallel_degree} stages"
+    return {
+        "optimizer.name": run.optimizer.name,
+        "optimizer.error_feedback.enabled": run.optimizer.error_feedback.enabled,
+        "parallelism.pipeline_parallel_schedule/pipeline_parallel_degree/emulated_stages, training.gradient_delay": versions,
+    }
+
+
+def check_resumable(saved: RunConfig, run: RunConfig) -> None:
+    """Raise UserError when `run` would need states that `saved`'s checkpoints do not hold."""
+    before, after = checkpoint_contents(saved), checkpoint_contents(run)
+    for key, value in before.items():
+        if after[key] != value:
+            raise UserError(
+                f"{key}: the checkpoints hold state for {value!r}, resume cannot switch to {after[key]!r}; "
+                "start a new run (train --run-dir NEW), or keep the setting"
+            )
+
+
 def plain_parameters(run: RunConfig, world_size: int) -> bool:
     """Whether to leave out FSDP, which torchtitan applies even on one rank: weight-version
     policies switch plain parameters for free, and without data parallelism FSDP adds nothing."""
