@@ -336,8 +336,9 @@ class AsyncTrainer(Trainer):
     def _record_rank_step(self) -> None:
         """This rank's pipeline scalars for the step (end time, step time, peak memory; with a
         streaming schedule the bubble, the staleness of the applied gradient and the memory of
-        weight versions beyond the live weights; the error-feedback correction norm): appended to <run-dir>/pipeline/rank<R>.jsonl and written to TensorBoard
-        under tb/pipeline/rank<R>, since metrics.jsonl only holds the reporting rank's view."""
+        weight versions beyond the live weights; the error-feedback correction norm): appended
+        to <run-dir>/pipeline/rank<R>.jsonl and written to TensorBoard under tb/pipeline/rank<R>,
+        since metrics.jsonl only holds the reporting rank's view."""
         now, rank = time.time(), dist.get_rank()
         record = {
             "step": self.step,

@@ -37,6 +37,7 @@ STREAMING = {"PipeDream2BW", "PACI"}
 
 
 def settings(schedule: str, args) -> list[str]:
+    """The `--set` assignments of one benchmark run."""
     return [
         f"parallelism.pipeline_parallel_degree={args.stages}",
         f"parallelism.pipeline_parallel_schedule={schedule}",
@@ -54,6 +55,7 @@ def settings(schedule: str, args) -> list[str]:
 
 
 def titan_async(command: str, schedule: str, args, *extra: str) -> subprocess.CompletedProcess:
+    """`titan-async COMMAND` on the benchmark's model and `schedule`."""
     argv = [sys.executable, "-m", "titan_async.cli", command, "--config", str(CONFIG), *extra]
     for setting in settings(schedule, args):
         argv += ["--set", setting]
