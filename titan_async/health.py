@@ -43,14 +43,16 @@ class HealthGuard:
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
         if step in self.section.inject_nonfinite_steps and stage == self.section.inject_stage and grads:
             grads[0].fill_(float("nan"))
-        local_bad = any(not bool(torch.isfinite(g).all()) for g in grads)
-        if local_bad:
-            logger.warning(f"step {step}: stage {stage} (rank {dist.get_rank()}) has a non-finite gradient; update skipped")
-        bad = torch.tensor([int(local_bad)], device=params[0].device if params else None)
+        device = params[0].device if params else None
+        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True, device=device)
+        bad = (~finite).to(torch.int32).reshape(1)
+        local_bad = bad.clone()
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
-        if not bad.item():
+        if not bad.item():  # the one host sync of an update
             return True
+        if local_bad.item():
+            logger.warning(f"step {step}: stage {stage} (rank {dist.get_rank()}) has a non-finite gradient; update skipped")
         for g in grads:
             g.zero_()
         self.skipped += 1

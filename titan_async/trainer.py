@@ -36,6 +36,7 @@ from titan_async.optim import write_param_group_table
 from titan_async.pipeline.config import microbatches
 from titan_async.pipeline.emulation import stage_modules, stage_view
 from titan_async.pipeline.executor import Microbatch, StageExecutor
+from titan_async.pipeline.fsdp_streams import param_write_fence
 from titan_async.pipeline.schedules import StreamingSchedule
 from titan_async.pipeline.stream import StreamEngine
 from titan_async.pipeline.trace import Timeline
@@ -171,7 +172,8 @@ class AsyncTrainer(Trainer):
         if config.parallelism.emulated_stages:
             return self._emulate_stages()
         if config.training.gradient_delay:
-            self.delay = TwoVersions(list(self.model_parts[0].parameters()), microbatches=1)
+            model = self.model_parts[0]
+            self.delay = TwoVersions(list(model.parameters()), microbatches=1, fence=param_write_fence(model))
             return {0: (self.delay, _names(self.model_parts[0]))}
         return {}
 
@@ -190,7 +192,7 @@ class AsyncTrainer(Trainer):
         mailbox: dict = {}
         policies, executors, steps = {}, [], {}
         for stage, view in enumerate(views):
-            policy = make_policy(config.parallelism.pipeline_parallel_schedule, list(view.parameters()), m, config.parallelism.paci.accumulation)
+            policy = make_policy(config.parallelism.pipeline_parallel_schedule, view, m, config.parallelism.paci.accumulation)
             policies[stage] = (policy, _names(view))
             executors.append(
                 StageExecutor(view, stage, len(views), LocalTransport(mailbox, stage), policy, self._emulated_loss, Timeline(0, False))
@@ -302,7 +304,7 @@ class AsyncTrainer(Trainer):
             if self.timeline:
                 self.timeline.start_window()
             losses = self.stream.run_window(self.step - 1, microbatches, loss_kwargs)
-            bubble = self.timeline.bubble() if self.timeline else None
+            bubble = self.timeline.end_window() if self.timeline else None
             if self._must_drain():
                 self._drain()
         extra = {"n_tokens_seen": self.ntokens_seen, **lr_metrics}
@@ -348,7 +350,7 @@ class AsyncTrainer(Trainer):
         }
         self._last_step_end = now
         if self.stream is not None:
-            record["bubble"] = self.timeline.bubble() if self.timeline else None
+            record["bubble"] = self.timeline.last_bubble if self.timeline else None
             record["staleness"] = self._staleness()
             record["weight_versions_gib"] = sum(e.policy.extra_bytes() for e in self.stream.executors) / 2**30
         correction = getattr(self.optimizers, "error_feedback_norm", lambda: None)()

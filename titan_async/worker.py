@@ -12,7 +12,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from titan_async import platform, run_dir as runs
+from titan_async import comm_log, platform, run_dir as runs
 from titan_async.platform import DropMessages
 
 
@@ -48,6 +48,7 @@ def train(run_dir: Path, verbose: bool = False, run=None) -> int:
     `run` is the resolved RunConfig; None reads the run directory's config.toml.
     """
     platform.configure()
+    comm_log.install_from_environment()
     _setup_logging(run_dir, verbose)
     import datasets
 

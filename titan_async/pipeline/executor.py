@@ -66,13 +66,11 @@ class StageExecutor:
             return self.is_first or self.transport.has(ACTIVATION, action.microbatch_index)
         return self.is_last or self.transport.has(GRADIENT, action.microbatch_index)
 
-    def prefetch(self, actions: list[_Action]) -> None:
-        """Post the receives `actions` will wait for."""
+    def expect(self, actions: list[_Action]) -> None:
+        """Tell the transport which inputs `actions` will consume, in order."""
         forward = _ComputationType.FORWARD
-        if not self.is_first:
-            self.transport.prefetch(ACTIVATION, [a.microbatch_index for a in actions if a.computation_type == forward])
-        if not self.is_last:
-            self.transport.prefetch(GRADIENT, [a.microbatch_index for a in actions if a.computation_type != forward])
+        self.transport.expect(ACTIVATION, [a.microbatch_index for a in actions if a.computation_type == forward])
+        self.transport.expect(GRADIENT, [a.microbatch_index for a in actions if a.computation_type != forward])
 
     def run_action(
         self, action: _Action, microbatches: dict[int, Microbatch], loss_kwargs: dict[str, Any], optimizer_step: Callable[[], None]
@@ -119,6 +117,8 @@ class StageExecutor:
     def evaluate(self, microbatches: list[Microbatch], loss_kwargs: dict[str, Any], first_id: int) -> list[torch.Tensor]:
         """Forward-only pass of `microbatches` (ids from `first_id`); losses on the last stage."""
         losses = []
+        if not self.is_first:
+            self.transport.expect(ACTIVATION, list(range(first_id, first_id + len(microbatches))))
         for offset, microbatch in enumerate(microbatches):
             k = first_id + offset
             stage_input = microbatch.args[0] if self.is_first else self.transport.recv(ACTIVATION, k)

@@ -19,7 +19,7 @@ from titan_async.pipeline import actions as plan
 from titan_async.pipeline.executor import Microbatch, StageExecutor
 from titan_async.pipeline.stream import StreamEngine
 from titan_async.pipeline.trace import Timeline
-from titan_async.pipeline.transport import P2PTransport
+from titan_async.pipeline.transport import P2PTransport, edge_groups
 from titan_async.pipeline.versions import make_policy
 
 _EVAL_IDS = 1 << 23
@@ -39,9 +39,10 @@ class StreamingSchedule(PipelineScheduleSingle):
     def attach(self, *, optimizer_step: Callable[[], None], accumulation: int | None, keep_trace: bool) -> StreamEngine:
         """This rank's stream: its stage, the weight policy, P2P transport and timeline."""
         stage = self._stage
-        self.policy = make_policy(self.name, list(stage.submod.parameters()), self._n_microbatches, accumulation)
-        self.timeline = Timeline(dist.get_rank(), keep_trace)
-        self.transport = P2PTransport(stage.group, stage.stage_index, stage.num_stages, stage.device)
+        self.policy = make_policy(self.name, stage.submod, self._n_microbatches, accumulation)
+        self.timeline = Timeline(dist.get_rank(), keep_trace, stage.device)
+        groups = edge_groups(stage.group, stage.stage_index_to_group_rank, stage.device)
+        self.transport = P2PTransport(groups, stage.stage_index, stage.num_stages, stage.device)
         self.executor = StageExecutor(
             stage.submod, stage.stage_index, stage.num_stages, self.transport, self.policy, self._loss_fn, self.timeline
         )

@@ -34,7 +34,7 @@ class StreamEngine:
         queues = {}
         for executor in self.executors:
             queues[executor.stage] = deque(actions_by_stage[executor.stage])
-            executor.prefetch(actions_by_stage[executor.stage])
+            executor.expect(actions_by_stage[executor.stage])
         losses = []
         while any(queues.values()):
             progressed = False

@@ -7,36 +7,69 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+
 
 class Timeline:
-    """Compute intervals of one rank, in wall-clock seconds (comparable across local ranks).
+    """Compute intervals of one rank, in seconds (wall clock, comparable across local ranks).
 
     Waiting for a neighbour is not recorded, so the idle share of a window is its bubble.
+    On CUDA the intervals are those of the GPU, measured with CUDA events (wall-clock time
+    around a launch measures only the enqueueing); they are read once per window, in
+    `end_window`, which waits for the window's last kernel (one host sync per step).
     """
 
-    def __init__(self, rank: int, keep_events: bool) -> None:
+    def __init__(self, rank: int, keep_events: bool, device: torch.device | None = None) -> None:
         self.rank = rank
         self.keep_events = keep_events
+        self.cuda = device is not None and device.type == "cuda"
         self.events: list[tuple[str, float, float]] = []
+        self.pending: list[tuple[str, object, object]] = []
         self.window_start = 0.0
+        self.window_start_event = None
         self.busy = 0.0
+        self.last_bubble: float | None = None
+
+    def _now(self):
+        if not self.cuda:
+            return time.time()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def start_window(self) -> None:
-        self.window_start, self.busy = time.time(), 0.0
+        self.window_start, self.busy, self.pending = time.time(), 0.0, []
+        self.window_start_event = self._now()
 
     @contextmanager
     def action(self, name: str):
-        start = time.time()
+        start = self._now()
         yield
-        end = time.time()
+        end = self._now()
+        if self.cuda:
+            self.pending.append((name, start, end))
+            return
         self.busy += end - start
         if self.keep_events:
             self.events.append((name, start, end))
 
-    def bubble(self) -> float:
-        """Idle share of the window so far."""
-        elapsed = time.time() - self.window_start
-        return max(0.0, 1.0 - self.busy / elapsed) if elapsed > 0 else 0.0
+    def end_window(self) -> float:
+        """The window's idle share (its bubble); also kept as `last_bubble`."""
+        end = self._now()
+        if self.cuda:
+            end.synchronize()
+            origin = self.window_start_event
+            for name, start, stop in self.pending:
+                self.busy += start.elapsed_time(stop) / 1e3
+                if self.keep_events:
+                    offset = self.window_start + origin.elapsed_time(start) / 1e3
+                    self.events.append((name, offset, offset + start.elapsed_time(stop) / 1e3))
+            self.pending = []
+            elapsed = origin.elapsed_time(end) / 1e3
+        else:
+            elapsed = end - self.window_start
+        self.last_bubble = max(0.0, 1.0 - self.busy / elapsed) if elapsed > 0 else 0.0
+        return self.last_bubble
 
     def write(self, path: Path) -> None:
         """Chrome/Perfetto trace events of this rank (one thread per rank)."""

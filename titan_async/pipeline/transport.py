@@ -1,88 +1,167 @@
 """Point-to-point transport of activations and gradients between neighbouring stages.
 
-Each message is tagged by (microbatch id, kind), so receives can be posted early and
-in-flight microbatches from different windows never mix. Shapes are exchanged once
-per direction with a small header.
+Correct under NCCL's rules by construction (../shared/DESIGN.md section 7: point-to-point
+operations between two ranks on one communicator run in issue order on one stream, and
+tags are ignored):
+
+- One communicator per direction of each pipeline edge (torch's directed rank-edge groups,
+  `torch.distributed.pipelining._p2p._build_p2p_edge_groups`). Each carries one kind of
+  message from one sender to one receiver: activations s -> s+1, gradients s+1 -> s.
+- Both ends of a communicator issue its messages in the same order: the first message is
+  a shape header, then the tensors in the order the receiver's actions consume them
+  (microbatch order, which is also the order the sender produces them).
+- Receives are posted only for messages the receiver's current action list will consume
+  (`expect`), in that order, at most `depth` ahead; each is waited right before its tensor
+  is used. No receive is left posted across a drain, so validation traffic cannot match
+  a receive meant for training.
+- At most `depth` sends per direction are outstanding: a new send first waits for the
+  oldest, and a drain waits for all. Each sent tensor is held until its send is waited.
+
+So every wait is on a message whose matching operation the peer issues without waiting
+for anything this rank issues later, and per rank at most `depth` receive buffers and
+`depth` sent tensors are live per direction. A stage with w microbatches in flight uses
+depth = w + 1 (`depth_for`).
 """
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining._p2p import _build_p2p_edge_groups
 
 ACTIVATION, GRADIENT = 0, 1
 _HEADER = 8
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
 
 
-def _tag(kind: int, microbatch: int) -> int:
-    return (microbatch % (1 << 24)) * 4 + kind
+def depth_for(stage: int, num_stages: int) -> int:
+    """Receives posted ahead and sends outstanding per direction for `stage`: w + 1."""
+    return num_stages - stage
 
 
-class P2PTransport:
-    """isend/irecv between stage `stage` and its neighbours on the pipeline process group."""
+def edge_groups(group: dist.ProcessGroup, stage_to_rank: dict[int, int], device: torch.device) -> dict[tuple[int, int], dist.ProcessGroup]:
+    """(source group rank, destination group rank) -> that direction's communicator (collective: every rank of `group` calls it)."""
+    groups, _ = _build_p2p_edge_groups(group, stage_to_rank, device)
+    return groups
 
-    def __init__(self, group: dist.ProcessGroup, stage: int, num_stages: int, device: torch.device) -> None:
-        self.group = group
-        self.device = device
-        self.peer = {
-            ACTIVATION: dist.get_global_rank(group, stage - 1) if stage > 0 else None,
-            GRADIENT: dist.get_global_rank(group, stage + 1) if stage < num_stages - 1 else None,
-        }
-        self.shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}
-        self.sent_header: set[int] = set()
-        self.posted: dict[tuple[int, int], tuple[dist.Work, torch.Tensor]] = {}
-        self.sends: list[tuple[dist.Work, torch.Tensor]] = []
 
-    def send(self, kind: int, microbatch: int, tensor: torch.Tensor) -> None:
-        """Send to the stage that receives `kind` from this one (next for activations, previous for gradients)."""
-        dst = self.peer[GRADIENT if kind == ACTIVATION else ACTIVATION]
+class _Inbound:
+    """Receives of one kind from one peer on that direction's communicator, in order."""
+
+    def __init__(self, peer: int, group: dist.ProcessGroup, device: torch.device, depth: int) -> None:
+        self.peer, self.group, self.device, self.depth = peer, group, device, depth
+        self.meta: tuple[torch.Size, torch.dtype] | None = None
+        self.expected: deque[int] = deque()
+        self.posted: deque[tuple[int, dist.Work, torch.Tensor]] = deque()
+
+    def _read_header(self) -> None:
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+        dist.irecv(header, self.peer, group=self.group).wait()
+        values = header.tolist()  # one host sync, at the first message of this direction
+        self.meta = (torch.Size(values[1 : 1 + values[0]]), _DTYPES[values[-1]])
+
+    def _post(self) -> None:
+        shape, dtype = self.meta
+        while self.expected and len(self.posted) < self.depth:
+            buffer = torch.empty(shape, dtype=dtype, device=self.device)
+            self.posted.append((self.expected.popleft(), dist.irecv(buffer, self.peer, group=self.group), buffer))
+
+    def recv(self, microbatch: int) -> torch.Tensor:
+        if self.meta is None:
+            self._read_header()
+        self._post()
+        if not self.posted or self.posted[0][0] != microbatch:
+            head = self.posted[0][0] if self.posted else None
+            raise RuntimeError(f"pipeline transport: microbatch {microbatch} requested out of order (next expected: {head})")
+        _, work, buffer = self.posted.popleft()
+        work.wait()
+        self._post()
+        return buffer
+
+    def check_idle(self) -> None:
+        if self.expected or self.posted:
+            raise RuntimeError(f"pipeline transport: receives from rank {self.peer} still expected at a drain")
+
+
+class _Outbound:
+    """Sends of one kind to one peer on that direction's communicator, at most `depth` outstanding."""
+
+    def __init__(self, peer: int, group: dist.ProcessGroup, device: torch.device, depth: int) -> None:
+        self.peer, self.group, self.device, self.depth = peer, group, device, depth
+        self.meta: tuple[torch.Size, torch.dtype] | None = None
+        self.outstanding: deque[tuple[dist.Work, torch.Tensor]] = deque()
+
+    def _isend(self, tensor: torch.Tensor) -> None:
+        while len(self.outstanding) >= self.depth:
+            self.outstanding.popleft()[0].wait()
+        self.outstanding.append((dist.isend(tensor, self.peer, group=self.group), tensor))
+
+    def send(self, tensor: torch.Tensor) -> None:
         tensor = tensor.detach().contiguous()
-        if kind not in self.sent_header:
+        if self.meta is None:
+            self.meta = (tensor.shape, tensor.dtype)
             header = torch.zeros(_HEADER, dtype=torch.int64)
             header[0] = tensor.dim()
             header[1 : 1 + tensor.dim()] = torch.tensor(tensor.shape)
             header[-1] = _DTYPES.index(tensor.dtype)
-            header = header.to(self.device)
-            dist.send(header, dst, group=self.group, tag=kind + 2)
-            self.sent_header.add(kind)
-        self.sends.append((dist.isend(tensor, dst, group=self.group, tag=_tag(kind, microbatch)), tensor))
+            self._isend(header.to(self.device))
+        elif (tensor.shape, tensor.dtype) != self.meta:
+            raise RuntimeError(
+                f"pipeline transport: a stage output of shape {tuple(tensor.shape)} {tensor.dtype} after "
+                f"{tuple(self.meta[0])} {self.meta[1]}; every microbatch (training and validation) must have the same shape"
+            )
+        self._isend(tensor)
 
-    def _shape(self, kind: int) -> tuple[torch.Size, torch.dtype]:
-        if kind not in self.shapes:
-            header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
-            dist.recv(header, self.peer[kind], group=self.group, tag=kind + 2)
-            ndim = int(header[0])
-            self.shapes[kind] = (torch.Size(header[1 : 1 + ndim].tolist()), _DTYPES[int(header[-1])])
-        return self.shapes[kind]
+    def finish(self) -> None:
+        while self.outstanding:
+            self.outstanding.popleft()[0].wait()
 
-    def prefetch(self, kind: int, microbatches: list[int]) -> None:
-        """Post receives for these microbatches now (once the shape is known)."""
-        if kind not in self.shapes:
-            return
-        shape, dtype = self.shapes[kind]
-        for microbatch in microbatches:
-            if (kind, microbatch) not in self.posted:
-                buffer = torch.empty(shape, dtype=dtype, device=self.device)
-                work = dist.irecv(buffer, self.peer[kind], group=self.group, tag=_tag(kind, microbatch))
-                self.posted[(kind, microbatch)] = (work, buffer)
+
+class P2PTransport:
+    """isend/irecv between stage `stage` and its neighbours, one communicator per direction (module docstring)."""
+
+    def __init__(self, groups: dict[tuple[int, int], dist.ProcessGroup], stage: int, num_stages: int, device: torch.device) -> None:
+        """`groups`: `edge_groups` of the pipeline group, whose rank s holds stage s."""
+        depth = depth_for(stage, num_stages)
+        self.inbound: dict[int, _Inbound] = {}
+        self.outbound: dict[int, _Outbound] = {}
+        if stage > 0:
+            self.inbound[ACTIVATION] = _Inbound(*_link(groups, stage - 1, stage), device, depth)
+            self.outbound[GRADIENT] = _Outbound(*_link(groups, stage, stage - 1), device, depth)
+        if stage < num_stages - 1:
+            self.outbound[ACTIVATION] = _Outbound(*_link(groups, stage, stage + 1), device, depth)
+            self.inbound[GRADIENT] = _Inbound(*_link(groups, stage + 1, stage), device, depth)
+
+    def expect(self, kind: int, microbatches: list[int]) -> None:
+        """The next `kind` messages this stage will consume, in order (posted lazily, `depth` ahead)."""
+        if kind in self.inbound:
+            self.inbound[kind].expected.extend(microbatches)
 
     def has(self, kind: int, microbatch: int) -> bool:
         return True
 
     def recv(self, kind: int, microbatch: int) -> torch.Tensor:
-        """The `kind` tensor of `microbatch` from the neighbour that sends it (blocks until it arrives)."""
-        self._shape(kind)
-        self.prefetch(kind, [microbatch])
-        work, buffer = self.posted.pop((kind, microbatch))
-        work.wait()
-        return buffer
+        """The `kind` tensor of `microbatch`; it must be the next one expected in that direction."""
+        return self.inbound[kind].recv(microbatch)
+
+    def send(self, kind: int, microbatch: int, tensor: torch.Tensor) -> None:
+        """Send to the stage that receives `kind` from this one (next for activations, previous for gradients)."""
+        self.outbound[kind].send(tensor)
 
     def finish_sends(self) -> None:
-        """Wait until every send so far has completed."""
-        for work, _ in self.sends:
-            work.wait()
-        self.sends.clear()
+        """At a drain: wait for every send and check that no receive is left expected."""
+        for outbound in self.outbound.values():
+            outbound.finish()
+        for inbound in self.inbound.values():
+            inbound.check_idle()
+
+
+def _link(groups: dict[tuple[int, int], dist.ProcessGroup], source: int, destination: int) -> tuple[int, dist.ProcessGroup]:
+    """(global rank of the other end, communicator) of the directed edge source -> destination."""
+    group = groups[(source, destination)]
+    return next(r for r in dist.get_process_group_ranks(group) if r != dist.get_rank()), group
 
 
 class LocalTransport:
@@ -102,7 +181,7 @@ class LocalTransport:
     def recv(self, kind: int, microbatch: int) -> torch.Tensor:
         return self.mailbox.pop((self.stage, kind, microbatch))
 
-    def prefetch(self, kind: int, microbatches: list[int]) -> None:
+    def expect(self, kind: int, microbatches: list[int]) -> None:
         pass
 
     def finish_sends(self) -> None:

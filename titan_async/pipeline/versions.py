@@ -18,6 +18,8 @@ import torch
 from torch.autograd import _unsafe_preserve_version_counter
 from torch.distributed.tensor import DTensor
 
+from titan_async.pipeline.fsdp_streams import param_write_fence
+
 
 @contextmanager
 def preserved_versions(params: list[torch.nn.Parameter]):
@@ -45,9 +47,11 @@ class TwoVersions:
     FSDP must reshard after forward so that every forward and backward re-gathers).
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], microbatches: int) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], microbatches: int, fence: Callable[[], None] = lambda: None) -> None:
+        """`fence` is called after every write to the parameters' storage (`fsdp_streams`)."""
         self.params = params
         self.microbatches = microbatches
+        self.fence = fence
         self.in_place = any(isinstance(p, DTensor) for p in params)
         live = [_local(p) for p in params]
         self.buffers = [[t.clone() for t in live] if self.in_place else live, [t.clone() for t in live]]
@@ -72,6 +76,7 @@ class TwoVersions:
             else:
                 param.data = tensor
         self.active = index
+        self.fence()
 
     def before_forward(self, microbatch: int) -> None:
         self.activate(microbatch // self.microbatches)
@@ -106,6 +111,7 @@ class TwoVersions:
             for tensor, param in zip(target, self.params):
                 tensor.copy_(_local(param))
         self.active = batch % 2
+        self.fence()
 
     def lr_steps_due(self) -> int:
         """Learning-rate steps owed so far: one per batch applied (counting the one being applied)."""
@@ -149,8 +155,10 @@ def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 class LocalAccumulation:
     """PACI: step in place after every `accumulation` local backwards, keeping saved graphs valid."""
 
-    def __init__(self, params: list[torch.nn.Parameter], accumulation: int, microbatches: int) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], accumulation: int, microbatches: int, fence: Callable[[], None] = lambda: None) -> None:
+        """`fence` is called after every local step (`fsdp_streams`)."""
         self.params = params
+        self.fence = fence
         self.accumulation = accumulation
         self.microbatches = microbatches
         self.count = 0
@@ -170,6 +178,7 @@ class LocalAccumulation:
         self.updates += 1
         with preserved_versions(self.params):
             optimizer_step()
+        self.fence()
 
     def lr_steps_due(self) -> int:
         """Learning-rate steps owed so far: one per `microbatches` local backwards."""
@@ -193,8 +202,10 @@ class LocalAccumulation:
             param.grad = state[f"grad.{name}"].clone()
 
 
-def make_policy(schedule: str, params: list[torch.nn.Parameter], microbatches: int, accumulation: int | None):
-    """The weight-version policy of streaming schedule `schedule` for one stage's parameters."""
+def make_policy(schedule: str, module: torch.nn.Module, microbatches: int, accumulation: int | None):
+    """The weight-version policy of streaming schedule `schedule` for one stage's parameters,
+    with its writes ordered before FSDP's all-gathers on CUDA."""
+    params, fence = list(module.parameters()), param_write_fence(module)
     if schedule == "PipeDream2BW":
-        return TwoVersions(params, microbatches)
-    return LocalAccumulation(params, accumulation or microbatches, microbatches)
+        return TwoVersions(params, microbatches, fence)
+    return LocalAccumulation(params, accumulation or microbatches, microbatches, fence)

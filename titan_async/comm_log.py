@@ -1,0 +1,184 @@
+"""A per-rank log of the communication a process issues, in issue order.
+
+Enabled by the environment variable `TITAN_ASYNC_COMM_LOG` (a directory; each rank
+appends JSON lines to `rank<R>.jsonl` there). It wraps torch.distributed's Python
+entry points (both the `torch.distributed` and `distributed_c10d` names, so torch's
+own helpers are seen too) and records, per call:
+
+- `{"op": "send"|"recv", "id", "group", "peer", "bytes"}` for isend/irecv/send/recv;
+- `{"op": "batch", "id", "group", "ops": [{"op", "peer", "bytes"}, ...]}` for batch_isend_irecv
+  (one coalesced launch, as NCCL runs it);
+- `{"op": "coll", "id", "group", "kind", "bytes"}` for collectives;
+- `{"op": "wait", "id"}` when the work of operation `id` is waited on (blocking calls
+  record their operation and a wait);
+- `{"op": "group", "group", "ranks"}` once per process group, its global ranks.
+
+Peers are global ranks. Collectives issued through DTensor or functional collectives
+are not seen. The log is what a model of NCCL's ordering rules replays (tests) and
+what communication accounting counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+ENVIRONMENT_VARIABLE = "TITAN_ASYNC_COMM_LOG"
+_P2P = ("isend", "irecv", "send", "recv")
+_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+    "broadcast", "barrier", "all_to_all_single", "reduce", "gather", "scatter",
+)
+
+
+def _bytes(tensors) -> int:
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel() * tensors.element_size()
+    if isinstance(tensors, (list, tuple)):
+        return sum(_bytes(t) for t in tensors)
+    return 0
+
+
+class _RecordedWork:
+    """A work handle that records its wait."""
+
+    def __init__(self, work, op_id: int, log: CommLog) -> None:
+        self._work, self._id, self._log = work, op_id, log
+
+    def wait(self, *args, **kwargs):
+        self._log.write({"op": "wait", "id": self._id})
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+class CommLog:
+    """Records this process's distributed calls to `path` (see module docstring)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "a", buffering=1)
+        self.lock = threading.Lock()
+        self.next_id = 0
+        self.groups: set[str] = set()
+        self.local = threading.local()
+
+    def write(self, record: dict) -> None:
+        with self.lock:
+            self.file.write(json.dumps(record) + "\n")
+
+    def new_id(self) -> int:
+        with self.lock:
+            self.next_id += 1
+            return self.next_id
+
+    def group(self, group) -> str:
+        group = group or c10d._get_default_group()
+        name = group.group_name
+        if name not in self.groups:
+            self.groups.add(name)
+            self.write({"op": "group", "group": name, "ranks": dist.get_process_group_ranks(group)})
+        return name
+
+    def nested(self) -> bool:
+        return getattr(self.local, "depth", 0) > 0
+
+    def call(self, record: dict, blocking: bool, function, *args, **kwargs):
+        """Record `record` with a new id, run `function` with nested calls unrecorded, and
+        wrap its work (or record the wait a blocking call implies)."""
+        op_id = self.new_id()
+        self.write({**record, "id": op_id})
+        self.local.depth = getattr(self.local, "depth", 0) + 1
+        try:
+            result = function(*args, **kwargs)
+        finally:
+            self.local.depth -= 1
+        if blocking:
+            self.write({"op": "wait", "id": op_id})
+            return result
+        if isinstance(result, list):
+            return [_RecordedWork(work, op_id, self) for work in result]
+        return _RecordedWork(result, op_id, self) if result is not None else None
+
+
+def _peer(args, kwargs, name: str) -> int:
+    """The global rank of the peer of an isend/irecv/send/recv call."""
+    group = kwargs.get("group", args[2] if len(args) > 2 else None)
+    key = "dst" if name in ("isend", "send") else "src"
+    peer = kwargs.get(key, args[1] if len(args) > 1 else None)
+    if peer is None:
+        local = kwargs.get(f"group_{key}")
+        peer = dist.get_global_rank(group or c10d._get_default_group(), local)
+    return peer
+
+
+def _wrap_p2p(log: CommLog, name: str, original):
+    def wrapper(*args, **kwargs):
+        if log.nested():
+            return original(*args, **kwargs)
+        tensor = kwargs.get("tensor", args[0] if args else None)
+        group = kwargs.get("group", args[2] if len(args) > 2 else None)
+        record = {"op": "send" if name in ("isend", "send") else "recv", "group": log.group(group),
+                  "peer": _peer(args, kwargs, name), "bytes": _bytes(tensor)}
+        return log.call(record, name in ("send", "recv"), original, *args, **kwargs)
+
+    return wrapper
+
+
+def _wrap_batch(log: CommLog, original):
+    def wrapper(p2p_op_list):
+        if log.nested():
+            return original(p2p_op_list)
+        ops = [
+            {"op": "send" if op.op in (dist.isend, c10d.isend) else "recv", "peer": op.peer, "bytes": _bytes(op.tensor)}
+            for op in p2p_op_list
+        ]
+        return log.call({"op": "batch", "group": log.group(p2p_op_list[0].group), "ops": ops}, False, original, p2p_op_list)
+
+    return wrapper
+
+
+def _wrap_collective(log: CommLog, name: str, original):
+    def wrapper(*args, **kwargs):
+        if log.nested():
+            return original(*args, **kwargs)
+        record = {"op": "coll", "kind": name, "group": log.group(kwargs.get("group")), "bytes": _bytes(args[0] if args else None)}
+        return log.call(record, not kwargs.get("async_op", False), original, *args, **kwargs)
+
+    return wrapper
+
+
+_installed: CommLog | None = None
+
+
+def install(directory: Path, rank: int) -> CommLog:
+    """Record this process's communication into `directory/rank<rank>.jsonl` (idempotent)."""
+    global _installed
+    if _installed is not None:
+        return _installed
+    log = CommLog(Path(directory) / f"rank{rank}.jsonl")
+    for name in _P2P + _COLLECTIVES + ("batch_isend_irecv",):
+        original = getattr(c10d, name)
+        if name == "batch_isend_irecv":
+            wrapped = _wrap_batch(log, original)
+        elif name in _P2P:
+            wrapped = _wrap_p2p(log, name, original)
+        else:
+            wrapped = _wrap_collective(log, name, original)
+        setattr(c10d, name, wrapped)
+        setattr(dist, name, wrapped)
+    _installed = log
+    return log
+
+
+def install_from_environment() -> CommLog | None:
+    """`install` into $TITAN_ASYNC_COMM_LOG for this process's $RANK, if that variable is set."""
+    directory = os.environ.get(ENVIRONMENT_VARIABLE)
+    return install(Path(directory), int(os.environ.get("RANK", "0"))) if directory else None
