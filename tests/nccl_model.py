@@ -148,7 +148,7 @@ def _match(units: dict[int, list[Unit]], groups: dict[str, list[int]]) -> list[s
     for (channel, rank), entries in collectives.items():
         members = groups[channel[0]]
         for n, (unit, index, _) in enumerate(entries):
-            others = [collectives[(channel, member)] for member in members if member != rank]
+            others = [collectives.get((channel, member), []) for member in members if member != rank]
             if all(n < len(other) for other in others):
                 unit.partners[index].extend([other[n][0] for other in others] or [unit])
     return mismatches
@@ -166,3 +166,30 @@ def outstanding(records: list[dict]) -> dict[str, int]:
         elif record["op"] == "wait":
             live.pop(record["id"], None)
     return dict(most)
+
+
+def live_bytes(records: list[dict]) -> int:
+    """Most bytes of single sends and receives issued and not yet waited on at once."""
+    live: dict[int, int] = {}
+    most = 0
+    for record in records:
+        if record["op"] in ("send", "recv"):
+            live[record["id"]] = record["bytes"]
+            most = max(most, sum(live.values()))
+        elif record["op"] == "wait":
+            live.pop(record["id"], None)
+    return most
+
+
+def assert_nccl_safe(directory: Path, stages: int, bounded: bool = True) -> None:
+    """The run logged in `directory` (rank r = stage r) completes under the model without a
+    size mismatch; with `bounded`, rank r never has more than p - r single sends or receives
+    per peer direction outstanding (w + 1 for w = p-1-r microbatches in flight)."""
+    logs = read_logs(directory)
+    assert sorted(logs) == list(range(stages)), sorted(logs)
+    result = replay(logs)
+    assert not result.mismatches and not result.deadlocked, (result.completed, result.total, result.stuck, result.mismatches[:3])
+    if bounded:
+        for rank, records in logs.items():
+            most = outstanding(records)
+            assert most and max(most.values()) <= stages - rank, (rank, most)

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+import nccl_model
 from conftest import CONFIGS, TINY, checkpoint_weights, losses, metrics, run_cli, sets
 from titan_async.pipeline.actions import drain_actions, pipeline_order, window_actions
 
@@ -72,8 +73,9 @@ EXACT = (*TINY, "training.local_batch_size=8", f"training.steps={STEPS}", "check
 
 
 def train(run_dir, *assignments, nproc="1", config="debug_cpu.toml"):
+    """Train; every rank's communication is logged under run_dir/comm for the NCCL model."""
     run_cli("train", "--config", str(CONFIGS / config), "--nproc-per-node", nproc, "--run-dir", str(run_dir),
-            *sets(*EXACT, *assignments))
+            *sets(*EXACT, *assignments), env={"TITAN_ASYNC_COMM_LOG": str(run_dir / "comm")})
     return run_dir
 
 
@@ -96,13 +98,27 @@ def delayed_reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("stages", [2, 4])
-def test_2bw_equals_delayed_gradient_reference(tmp_path, delayed_reference, stages):
+def test_2bw_equals_delayed_gradient_reference(tmp_path, capsys, delayed_reference, stages):
     run = train(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PipeDream2BW",
                 f"parallelism.pipeline_parallel_degree={stages}", "parallelism.pipeline_parallel_microbatch_size=1",
                 nproc=str(stages), config="debug_cpu_pp2.toml")
     assert_same_run(delayed_reference, run)
     reference, pipelined = final_weights(delayed_reference), final_weights(run)
     assert_close_weights(pipelined, reference)
+    nccl_model.assert_nccl_safe(run / "comm", stages)  # windows, drains, validation and checkpoints
+    assert_plan_bounds_transport(capsys, run, stages)
+
+
+def assert_plan_bounds_transport(capsys, run, stages: int) -> None:
+    """`plan` of the run's own config shows at least the point-to-point buffers the run held."""
+    from titan_async import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--config", str(run / "config.toml"), "--gpus-per-node", str(stages), "--json"])
+    planned = json.loads(capsys.readouterr().out)["ranks"]
+    for rank, records in nccl_model.read_logs(run / "comm").items():
+        measured = nccl_model.live_bytes(records)
+        assert 0 < measured <= planned[rank]["memory"]["p2p_buffers"], (rank, measured, planned[rank]["memory"])
 
 
 def assert_close_weights(result: dict, reference: dict) -> None:
@@ -119,6 +135,7 @@ def test_synchronous_schedule_equals_no_pipeline(tmp_path, schedule):
     pipelined = train(tmp_path / "pp", "parallelism.pipeline_parallel_microbatch_size=1", f"parallelism.pipeline_parallel_schedule={schedule}",
                       nproc="2", config="debug_cpu_pp2.toml")
     assert_same_run(plain, pipelined)
+    nccl_model.assert_nccl_safe(pipelined / "comm", 2, bounded=False)  # torch's own schedule: the control
 
 
 def test_delay_changes_the_trajectory(tmp_path, delayed_reference):
@@ -139,13 +156,14 @@ def test_trace_shows_streaming_order(tmp_path):
     assert (run / "pipeline" / "trace.json").is_file() and (run / "pipeline" / "timeline.png").is_file()
 
 
-@pytest.mark.parametrize("schedule", ["PACI", "PipeDream2BW"])
-def test_streaming_schedule_equals_its_single_process_emulation(tmp_path, schedule):
+@pytest.mark.parametrize("schedule, stages", [("PACI", 2), ("PipeDream2BW", 2), ("PACI", 4)])
+def test_streaming_schedule_equals_its_single_process_emulation(tmp_path, schedule, stages):
     common = (f"parallelism.pipeline_parallel_schedule={schedule}", "parallelism.pipeline_parallel_microbatch_size=1")
-    pipelined = train(tmp_path / "pp", *common, nproc="2", config="debug_cpu_pp2.toml")
-    emulated = train(tmp_path / "emulated", *common, "parallelism.emulated_stages=2")
+    pipelined = train(tmp_path / "pp", *common, f"parallelism.pipeline_parallel_degree={stages}", nproc=str(stages), config="debug_cpu_pp2.toml")
+    emulated = train(tmp_path / "emulated", *common, f"parallelism.emulated_stages={stages}")
     assert_same_run(emulated, pipelined)
     assert_close_weights(final_weights(pipelined), final_weights(emulated))
+    nccl_model.assert_nccl_safe(pipelined / "comm", stages)
 
 
 def test_paci_accumulation_changes_the_update_timing(tmp_path):

@@ -65,11 +65,12 @@ from titan_async.plan_memory import (
     held_microbatches,
     parse_size,
     rank_memory,
+    transport_bytes,
 )
 
 ESTIMATE_ONLY_NOTE = (
-    "activations and FSDP unsharded buffers are estimates only: meta tensors hold no activations, "
-    "and FSDP allocates unsharded buffers only while it gathers"
+    "activations, FSDP unsharded buffers and P2P buffers are estimates only: meta tensors hold no activations, "
+    "FSDP allocates unsharded buffers only while it gathers, and the pipeline transport only while it sends and receives"
 )
 TIGHT = 0.9
 """A rank above this share of --gpu-memory fits, but is reported as tight."""
@@ -297,7 +298,8 @@ def estimate_ranks(layout: Layout, shapes: list[StageShape], setup: Setup, clust
     for rank, indices in enumerate(layout.rank_stages):
         stages = [shapes[i] for i in indices]
         held = _held(layout, rank)
-        memory = {key: round(value) for key, value in rank_memory(stages, held, setup).items()}
+        transport = 0.0 if layout.emulated else transport_bytes(layout.schedule, rank, layout.pp, setup)
+        memory = {key: round(value) for key, value in rank_memory(stages, held, setup, transport).items()}
         rows.append({
             "pp_rank": rank,
             "gpus": [rank * per_rank, (rank + 1) * per_rank - 1],
@@ -535,7 +537,7 @@ def _count(n: int) -> str:
 
 
 _HEADERS = {"weights": "weights", "weight_versions": "2BW", "gradients": "grads", "optimizer": "optim",
-            "error_feedback": "EF", "fsdp_buffers": "FSDP", "activations": "act (held mb)"}
+            "error_feedback": "EF", "fsdp_buffers": "FSDP", "p2p_buffers": "P2P", "activations": "act (held mb)"}
 
 
 @dataclass
@@ -563,7 +565,7 @@ def _memory_table(plan: dict[str, Any]) -> Table:
         stages = "; ".join(f"{s['index']}: {_modules(s['modules'])}" for s in row["stages"])
         table.rows.append([
             "{} ({}-{})".format(row["pp_rank"], *row["gpus"]), stages, _count(row["parameters"]),
-            *(f"{gib(m[key]):.2f}" for key in STATE_COMPONENTS), f"{gib(m['fsdp_buffers']):.2f}",
+            *(f"{gib(m[key]):.2f}" for key in STATE_COMPONENTS), f"{gib(m['fsdp_buffers']):.2f}", f"{gib(m['p2p_buffers']):.2f}",
             f"{gib(m['activations']):.2f} ({row['held_microbatches']:g})", f"{gib(m['total']):.2f}", f"{share:.0%} {verdict}",
         ])
     return table

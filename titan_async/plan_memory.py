@@ -18,12 +18,16 @@ Per GPU, every pipeline rank's memory is the sum of these components (bytes):
   x (compute + reduce bytes). Otherwise (no PP, or the streaming schedules, which
   reshard after every forward and reduce after every backward): the largest unit
   gathered twice (current and prefetched) plus its unsharded gradient.
+- p2p_buffers: the streaming schedules' transport (titan_async.pipeline.transport): per
+  direction of each edge at most w + 1 = p - rank receives posted ahead and as many sends
+  outstanding, each one microbatch's stage-boundary tensor (tokens x dim, compute dtype).
+  torch's own schedules' receive buffers are not estimated (0).
 - activations: microbatches held between forward and backward x activations of one
   microbatch (see `block_activation_bytes`), plus transients: the logits of the last
   stage and, with full recomputation, one block recomputed for one microbatch.
 
 The first five are what a meta-device dry run allocates (`STATE_COMPONENTS`); the
-last two exist only while training runs, so they are estimates only.
+last three exist only while training runs, so they are estimates only.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 STATE_COMPONENTS = ("weights", "weight_versions", "gradients", "optimizer", "error_feedback")
-COMPONENTS = (*STATE_COMPONENTS, "fsdp_buffers", "activations")
+COMPONENTS = (*STATE_COMPONENTS, "fsdp_buffers", "p2p_buffers", "activations")
 COMPARED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "PipeDream2BW", "PACI")
 """Schedules whose predicted bubble `plan` prints for every config."""
 INTERLEAVED_CHUNKS = 2
@@ -180,14 +184,24 @@ def held_microbatches(schedule: str, rank: int, ranks: int, microbatches: int, s
     return min(microbatches * v, (v - 1) * ranks + 2 * (ranks - 1 - rank) + 1)
 
 
-def rank_memory(stages: list[StageShape], held: list[float], setup: Setup) -> dict[str, float]:
+def transport_bytes(schedule: str, rank: int, ranks: int, setup: Setup) -> float:
+    """Bytes of the streaming transport's live buffers on pipeline rank `rank` (module docstring)."""
+    if schedule.lower() not in STREAMING_SCHEDULES or ranks < 2:
+        return 0.0
+    directions = 2 * ((rank > 0) + (rank < ranks - 1))
+    return directions * (ranks - rank) * setup.tokens * setup.dim * setup.compute_bytes
+
+
+def rank_memory(stages: list[StageShape], held: list[float], setup: Setup, transport: float = 0.0) -> dict[str, float]:
     """Per-GPU bytes of every component (`COMPONENTS`) and their "total", for a rank holding
-    `stages` with `held[i]` microbatches in flight on stage i."""
+    `stages` with `held[i]` microbatches in flight on stage i and `transport` bytes of
+    point-to-point buffers (`transport_bytes`)."""
     memory = dict.fromkeys(COMPONENTS, 0.0)
     for stage in stages:
         for key, value in state_bytes(stage, setup).items():
             memory[key] += value
     memory["fsdp_buffers"] = fsdp_buffer_bytes(stages, setup)
+    memory["p2p_buffers"] = transport
     memory["activations"] = sum(n * microbatch_activation_bytes(s, setup) for s, n in zip(stages, held))
     memory["activations"] += transient_activation_bytes(stages, setup)
     memory["total"] = sum(memory[key] for key in COMPONENTS)

@@ -174,7 +174,7 @@ class AsyncTrainer(Trainer):
         if config.training.gradient_delay:
             model = self.model_parts[0]
             self.delay = TwoVersions(list(model.parameters()), microbatches=1, fence=param_write_fence(model))
-            return {0: (self.delay, _names(self.model_parts[0]))}
+            return {0: (self.delay, _names(model))}
         return {}
 
     def _emulate_stages(self) -> dict[int, tuple[Any, list[str]]]:

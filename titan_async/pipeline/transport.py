@@ -29,7 +29,6 @@ from collections import deque
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining._p2p import _build_p2p_edge_groups
 
 ACTIVATION, GRADIENT = 0, 1
 _HEADER = 8
@@ -43,6 +42,8 @@ def depth_for(stage: int, num_stages: int) -> int:
 
 def edge_groups(group: dist.ProcessGroup, stage_to_rank: dict[int, int], device: torch.device) -> dict[tuple[int, int], dist.ProcessGroup]:
     """(source group rank, destination group rank) -> that direction's communicator (collective: every rank of `group` calls it)."""
+    from torch.distributed.pipelining._p2p import _build_p2p_edge_groups
+
     groups, _ = _build_p2p_edge_groups(group, stage_to_rank, device)
     return groups
 
