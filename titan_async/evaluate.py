@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 import tempfile
 from pathlib import Path
 
@@ -109,11 +108,7 @@ def greedy_continuation(model, tokenizer, prompt: str, max_new_tokens: int) -> s
 
 def evaluate_checkpoint(checkpoint: Path, *, as_json: bool, prompt: str, max_new_tokens: int) -> int:
     """Print the evaluation of `checkpoint`; returns the exit status."""
-    match = re.fullmatch(r"step-(\d+)", checkpoint.name)
-    if not checkpoint.is_dir() or match is None:
-        raise UserError(f"--checkpoint {checkpoint}: expected a checkpoint directory RUN/checkpoint/step-N")
-    if not (checkpoint / ".metadata").is_file():
-        raise UserError(f"--checkpoint {checkpoint}: incomplete checkpoint (no .metadata; the save did not finish)")
+    step = runs.checkpoint_step(checkpoint)
     run_dir = checkpoint.parent.parent
     run = load_run_config(run_dir / runs.CONFIG_FILE)
     world_size = runs.load_launch(run_dir).get("world_size", 1)
@@ -129,7 +124,7 @@ def evaluate_checkpoint(checkpoint: Path, *, as_json: bool, prompt: str, max_new
             dist.destroy_process_group()
     result = {
         "checkpoint": str(checkpoint),
-        "step": int(match.group(1)),
+        "step": step,
         "loss": loss,
         "perplexity": math.exp(loss),
         "tokens": tokens,
