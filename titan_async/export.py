@@ -147,7 +147,7 @@ def _write_weights(checkpoint: Path, out: Path, adapter, hf_names: dict[str, str
             tensors = {}
             for block in shard:
                 state = {name: torch.empty(expected[name].shape, dtype=stored[name]) for name in block}
-                dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+                dcp.load(state, checkpoint_id=str(checkpoint))
                 for hf_name, tensor in adapter.to_hf(state).items():
                     tensors[hf_name] = tensor.to(dtype).contiguous()
                     weight_map[hf_name] = file
