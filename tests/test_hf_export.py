@@ -28,7 +28,7 @@ from titan_async.config.run_config import load_run_config
 from titan_async.data.sources import tokenizer_dir
 from titan_async.errors import UserError
 from titan_async.export import hf_llama_config
-from titan_async.model import build_model_spec
+from titan_async.model import ModelSection, build_model_spec
 
 STEPS = 3
 RUN = (*TINY, f"training.steps={STEPS}", "model.n_kv_heads=2", "validation.enable=false")
@@ -39,16 +39,31 @@ LAYOUTS = {
 }
 
 
+_EXPORTS: dict[str, tuple[Path, Path, Path]] = {}
+
+
+def export_of(layout: str, tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(run directory, its last checkpoint, the export of that checkpoint) of a tiny run in
+    `layout`, trained and exported once per test session."""
+    if layout not in _EXPORTS:
+        root = tmp_path_factory.mktemp(layout)
+        run_cli("train", *LAYOUTS[layout], "--run-dir", str(root / "run"), *sets(*RUN))
+        checkpoint = root / "run" / "checkpoint" / f"step-{STEPS}"
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["export", "--checkpoint", str(checkpoint), "--out", str(root / "hf")])
+        assert exit_info.value.code == 0
+        _EXPORTS[layout] = (root / "run", checkpoint, root / "hf")
+    return _EXPORTS[layout]
+
+
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def exported(request, tmp_path_factory):
-    """(run directory, its last checkpoint, the export of that checkpoint) of a tiny run per layout."""
-    root = tmp_path_factory.mktemp(request.param)
-    run_cli("train", *LAYOUTS[request.param], "--run-dir", str(root / "run"), *sets(*RUN))
-    checkpoint = root / "run" / "checkpoint" / f"step-{STEPS}"
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["export", "--checkpoint", str(checkpoint), "--out", str(root / "hf")])
-    assert exit_info.value.code == 0
-    return root / "run", checkpoint, root / "hf"
+    return export_of(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def single_export(tmp_path_factory):
+    return export_of("single", tmp_path_factory)
 
 
 def hf_model(directory: Path) -> transformers.LlamaForCausalLM:
@@ -139,3 +154,52 @@ def test_transformers_validation_loss_equals_titan_eval(exported):
     dp_degree = run.data_parallel_degree(json.loads((run_dir / "launch.json").read_text())["world_size"])
     pairs = [pair for loader in loaders(run_dir, "validation", dp_degree) for pair in islice(loader, run.validation.steps)]
     assert mean_loss(hf_model(out), pairs) == pytest.approx(result["loss"], rel=1e-5)
+
+
+def test_run_started_from_the_export_sees_its_loss(single_export, tmp_path):
+    """gradient_delay = 1 computes steps 1 and 2 at W[-1] = W[0]: both must be the exported weights."""
+    _, _, out = single_export
+    run_dir = tmp_path / "run"
+    run_cli("train", "--run-dir", str(run_dir), *sets(*RUN, "training.steps=2", "training.gradient_delay=1",
+                                                      f"checkpoint.initial_load_path={out}", "checkpoint.initial_load_in_hf=true"))
+    model = hf_model(out)
+    first, second = islice(loaders(run_dir, "train")[0], 2)
+    assert losses(run_dir)[1] == pytest.approx(mean_loss(model, [first]), rel=1e-5)
+    assert losses(run_dir)[2] == pytest.approx(mean_loss(model, [second]), rel=1e-5)
+
+
+def test_export_of_a_missing_checkpoint(capsys, tmp_path):
+    err = fail(capsys, "export", "--checkpoint", str(tmp_path / "run" / "checkpoint" / "step-3"), "--out", str(tmp_path / "hf"))
+    assert "expected a checkpoint directory RUN/checkpoint/step-N" in err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_export_keeps_a_non_empty_directory_unless_overwrite(capsys, single_export, tmp_path):
+    _, checkpoint, _ = single_export
+    (tmp_path / "notes.txt").write_text("mine")
+    err = fail(capsys, "export", "--checkpoint", str(checkpoint), "--out", str(tmp_path))
+    assert err == f"titan-async: --out {tmp_path}: exists and is not empty; pass --overwrite to replace it"
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path), "--overwrite"])
+    assert exit_info.value.code == 0
+    assert (tmp_path / "config.json").is_file() and not (tmp_path / "notes.txt").exists()
+
+
+@pytest.mark.parametrize("assignment, message", [
+    ("model.vocab_size=4096", "its vocabulary has 2048 tokens, the config's model 4096"),
+    ("model.n_layers=2", "model.layers.2.input_layernorm.weight has no place in the config's model"),
+])
+def test_start_from_hf_weights_that_do_not_fit_the_config(capsys, single_export, tmp_path, assignment, message):
+    _, _, out = single_export
+    err = fail(capsys, "train", "--run-dir", str(tmp_path / "run"), *sets(
+        *RUN, assignment, f"checkpoint.initial_load_path={out}", "checkpoint.initial_load_in_hf=true"))
+    assert f"checkpoint.initial_load_path = '{out}': {message}" in err
+
+
+def test_model_transformers_cannot_express_is_refused():
+    config = build_model_spec(ModelSection(), 2048).model
+    for layer in config.layers:
+        layer.attention.rope.scaling = "yarn"
+    with pytest.raises(UserError, match="rope scaling 'yarn' has no Hugging Face Llama equivalent"):
+        hf_llama_config(config, 0, 1, "float32")

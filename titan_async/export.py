@@ -36,7 +36,7 @@ SHARD_BYTES = 5 * 2**30
 """Largest safetensors file written (Hugging Face's default shard size)."""
 
 
-def hf_llama_config(model, tokenizer: HuggingFaceTokenizer, dtype: str) -> dict:
+def hf_llama_config(model, bos_id: int | None, eos_id: int | None, dtype: str) -> dict:
     """The transformers `LlamaConfig` (config.json) of a torchtitan llama3 model config;
     UserError naming the feature when HF Llama cannot express the model."""
     attention = model.layers[0].attention
@@ -73,8 +73,8 @@ def hf_llama_config(model, tokenizer: HuggingFaceTokenizer, dtype: str) -> dict:
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": model.enable_weight_tying,
-        "bos_token_id": tokenizer.bos_id,
-        "eos_token_id": tokenizer.eos_id,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
         "torch_dtype": dtype,
     }
 
@@ -197,7 +197,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "float32", overw
         meta = build_meta_model(run, tokenizer.get_vocab_size(), fsdp=False)
         config = meta.spec.model
         expected = meta.module.state_dict()
-        llama = hf_llama_config(config, tokenizer, dtype)
+        llama = hf_llama_config(config, tokenizer.bos_id, tokenizer.eos_id, dtype)
         adapter = Llama3StateDictAdapter(config, None)
         hf_names = _hf_names(adapter, expected, config.enable_weight_tying)
         stored = _check_complete(checkpoint, {name: expected[name] for name in hf_names})
