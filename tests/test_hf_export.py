@@ -9,25 +9,26 @@ Attention is per document in titan-async; transformers gets the same block-causa
 from __future__ import annotations
 
 import json
-from itertools import islice
+import shutil
 import tempfile
+from itertools import islice
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from safetensors.torch import load_file
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 from conftest import CONFIGS, TINY, checkpoint_weights, losses, run_cli, sets
 from test_bad_input import fail
-from titan_async import cli
+from titan_async import cli, export
 from titan_async.config.assemble import trainer_config
 from titan_async.config.run_config import load_run_config
 from titan_async.data.sources import tokenizer_dir
 from titan_async.errors import UserError
-from titan_async.export import hf_llama_config
 from titan_async.model import ModelSection, build_model_spec
 
 STEPS = 3
@@ -49,9 +50,7 @@ def export_of(layout: str, tmp_path_factory) -> tuple[Path, Path, Path]:
         root = tmp_path_factory.mktemp(layout)
         run_cli("train", *LAYOUTS[layout], "--run-dir", str(root / "run"), *sets(*RUN))
         checkpoint = root / "run" / "checkpoint" / f"step-{STEPS}"
-        with pytest.raises(SystemExit) as exit_info:
-            cli.main(["export", "--checkpoint", str(checkpoint), "--out", str(root / "hf")])
-        assert exit_info.value.code == 0
+        export_cli(checkpoint, root / "hf")
         _EXPORTS[layout] = (root / "run", checkpoint, root / "hf")
     return _EXPORTS[layout]
 
@@ -174,16 +173,42 @@ def test_export_of_a_missing_checkpoint(capsys, tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
+def test_export_of_a_corrupt_checkpoint(capsys, tmp_path):
+    step = tmp_path / "checkpoint" / "step-3"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_text("not a pickle")
+    shutil.copy(CONFIGS / "debug_cpu.toml", tmp_path / "config.toml")
+    err = fail(capsys, "export", "--checkpoint", str(step), "--out", str(tmp_path / "hf"))
+    assert f"--checkpoint {step}: cannot read the checkpoint" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "config.toml"]
+
+
+def export_cli(checkpoint: Path, out: Path, *options: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["export", "--checkpoint", str(checkpoint), "--out", str(out), *options])
+    assert exit_info.value.code == 0
+
+
 def test_export_keeps_a_non_empty_directory_unless_overwrite(capsys, single_export, tmp_path):
     _, checkpoint, _ = single_export
     (tmp_path / "notes.txt").write_text("mine")
     err = fail(capsys, "export", "--checkpoint", str(checkpoint), "--out", str(tmp_path))
     assert err == f"titan-async: --out {tmp_path}: exists and is not empty; pass --overwrite to replace it"
     assert (tmp_path / "notes.txt").read_text() == "mine"
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path), "--overwrite"])
-    assert exit_info.value.code == 0
-    assert (tmp_path / "config.json").is_file() and not (tmp_path / "notes.txt").exists()
+    export_cli(checkpoint, tmp_path, "--overwrite", "--dtype", "bfloat16")
+    assert not (tmp_path / "notes.txt").exists()
+    assert {t.dtype for t in load_file(tmp_path / "model.safetensors").values()} == {torch.bfloat16}
+
+
+def test_sharded_export_loads_the_same_weights(single_export, tmp_path, monkeypatch):
+    _, checkpoint, whole = single_export
+    monkeypatch.setattr(export, "SHARD_BYTES", 2**18)
+    export_cli(checkpoint, tmp_path / "sharded")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    assert not (tmp_path / "sharded" / "model.safetensors").exists()
+    expected, loaded = hf_model(whole).state_dict(), hf_model(tmp_path / "sharded").state_dict()
+    assert expected.keys() == loaded.keys() and all(torch.equal(expected[k], loaded[k]) for k in expected)
 
 
 @pytest.mark.parametrize("assignment, message", [
@@ -202,4 +227,4 @@ def test_model_transformers_cannot_express_is_refused():
     for layer in config.layers:
         layer.attention.rope.scaling = "yarn"
     with pytest.raises(UserError, match="rope scaling 'yarn' has no Hugging Face Llama equivalent"):
-        hf_llama_config(config, 0, 1, "float32")
+        export.hf_llama_config(config, 0, 1, "float32")

@@ -24,7 +24,6 @@ from torchtitan.components.loss import IGNORE_INDEX
 from titan_async import launch, run_dir as runs
 from titan_async.config.assemble import trainer_config
 from titan_async.config.run_config import RunConfig, load_run_config
-from titan_async.errors import UserError
 
 
 def _single_process(run: RunConfig) -> RunConfig:
@@ -59,8 +58,7 @@ def _load_weights(trainer, checkpoint: Path) -> None:
     try:
         trainer.checkpointer.load()
     except (Exception, CheckpointException) as err:
-        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-        raise UserError(f"--checkpoint {checkpoint}: cannot read the checkpoint ({reason})") from None
+        raise runs.unreadable_checkpoint(checkpoint, err) from None
 
 
 def _forward(model, inputs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -79,34 +79,32 @@ def hf_llama_config(model, bos_id: int | None, eos_id: int | None, dtype: str) -
     }
 
 
-def _hf_names(adapter: Llama3StateDictAdapter, expected: dict[str, torch.Tensor], tied: bool) -> dict[str, str]:
-    """Checkpoint entry -> Hugging Face name; UserError for an entry HF Llama has no place for."""
-    names = {}
+def _check_expressible(adapter: Llama3StateDictAdapter, expected: dict[str, torch.Tensor]) -> None:
+    """UserError for a model entry that torchtitan's adapter gives no Hugging Face Llama name."""
     for name, tensor in expected.items():
-        if tied and name == "lm_head.weight":
-            continue
-        mapped = adapter.to_hf({name: tensor})
-        if not mapped:
+        if not adapter.to_hf({name: tensor}):
             raise UserError(f"model: entry {name!r} has no Hugging Face Llama equivalent")
-        names[name] = next(iter(mapped))
-    return names
 
 
-def _check_complete(checkpoint: Path, expected: dict[str, torch.Tensor]) -> dict[str, torch.dtype]:
-    """Entry -> stored dtype; UserError when an entry of the run's model is missing or differs in shape."""
-    stored = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    dtypes = {}
+def _stored_entries(checkpoint: Path, expected: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Entry -> (shape, stored dtype); UserError when the checkpoint cannot be read, or an entry
+    of the run's model is missing or has another shape."""
+    try:
+        stored = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    except Exception as err:
+        raise runs.unreadable_checkpoint(checkpoint, err) from None
+    entries = {}
     for name, tensor in expected.items():
         meta = stored.get(name)
         if meta is None or not hasattr(meta, "size"):
             raise UserError(f"--checkpoint {checkpoint}: incomplete checkpoint, no model entry {name!r}")
-        if tuple(meta.size) != tuple(tensor.shape):
+        if meta.size != tensor.shape:
             raise UserError(
                 f"--checkpoint {checkpoint}: entry {name!r} has shape {tuple(meta.size)}, the run's config "
                 f"gives {tuple(tensor.shape)}"
             )
-        dtypes[name] = meta.properties.dtype
-    return dtypes
+        entries[name] = (meta.size, meta.properties.dtype)
+    return entries
 
 
 def _blocks(names: list[str]) -> list[list[str]]:
@@ -132,10 +130,10 @@ def _shards(blocks: list[list[str]], nbytes: dict[str, int]) -> list[list[list[s
     return shards
 
 
-def _write_weights(checkpoint: Path, out: Path, adapter, hf_names: dict[str, str], stored: dict, expected: dict, dtype) -> None:
+def _write_weights(checkpoint: Path, out: Path, adapter, entries: dict[str, tuple[torch.Size, torch.dtype]], dtype) -> None:
     """model.safetensors, or model-0000i-of-0000n.safetensors shards and their index."""
-    nbytes = {name: expected[name].numel() * dtype.itemsize for name in hf_names}
-    shards = _shards(_blocks(list(hf_names)), nbytes)
+    nbytes = {name: shape.numel() * dtype.itemsize for name, (shape, _) in entries.items()}
+    shards = _shards(_blocks(list(entries)), nbytes)
     files = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
     ]
@@ -146,8 +144,11 @@ def _write_weights(checkpoint: Path, out: Path, adapter, hf_names: dict[str, str
         for file, shard in zip(files, shards):
             tensors = {}
             for block in shard:
-                state = {name: torch.empty(expected[name].shape, dtype=stored[name]) for name in block}
-                dcp.load(state, checkpoint_id=str(checkpoint))
+                state = {name: torch.empty(entries[name][0], dtype=entries[name][1]) for name in block}
+                try:
+                    dcp.load(state, checkpoint_id=str(checkpoint))
+                except Exception as err:
+                    raise runs.unreadable_checkpoint(checkpoint, err) from None
                 for hf_name, tensor in adapter.to_hf(state).items():
                     tensors[hf_name] = tensor.to(dtype).contiguous()
                     weight_map[hf_name] = file
@@ -196,12 +197,13 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "float32", overw
         tokenizer = HuggingFaceTokenizer(tokenizer_path=str(tokenizer_source))
         meta = build_meta_model(run, tokenizer.get_vocab_size(), fsdp=False)
         config = meta.spec.model
-        expected = meta.module.state_dict()
         llama = hf_llama_config(config, tokenizer.bos_id, tokenizer.eos_id, dtype)
+        expected = meta.module.state_dict()
+        if config.enable_weight_tying:
+            del expected["lm_head.weight"]  # the embedding
         adapter = Llama3StateDictAdapter(config, None)
-        hf_names = _hf_names(adapter, expected, config.enable_weight_tying)
-        stored = _check_complete(checkpoint, {name: expected[name] for name in hf_names})
-        _write_weights(checkpoint, scratch, adapter, hf_names, stored, expected, DTYPES[dtype])
+        _check_expressible(adapter, expected)
+        _write_weights(checkpoint, scratch, adapter, _stored_entries(checkpoint, expected), DTYPES[dtype])
         (scratch / "config.json").write_text(json.dumps(llama, indent=2))
         generation = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
         (scratch / "generation_config.json").write_text(json.dumps(generation, indent=2))

@@ -46,6 +46,12 @@ def checkpoint_step(checkpoint: Path) -> int:
     return int(match.group(1))
 
 
+def unreadable_checkpoint(checkpoint: Path, err: BaseException) -> UserError:
+    """The one-line error for a checkpoint whose files DCP cannot read."""
+    reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+    return UserError(f"--checkpoint {checkpoint}: cannot read the checkpoint ({reason})")
+
+
 def claim(run_dir: Path, overwrite: bool) -> None:
     """Make `run_dir` ready for a new run; refuse to discard a run's checkpoints unless `overwrite`."""
     if (run_dir / CHECKPOINT_DIR).exists() and any((run_dir / CHECKPOINT_DIR).iterdir()):
