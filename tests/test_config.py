@@ -73,3 +73,11 @@ def test_nested_subsections_are_set_checked_and_rendered():
         run_config._section("outer", Outer(), {"inner": {"coef": 0.5}}, "t.toml")
     with pytest.raises(run_config.UserError, match="outer.inner.coefficient: expected a number"):
         run_config._section("outer", Outer(), {"inner": {"coefficient": "big"}}, "t.toml")
+
+
+def test_initial_load_in_hf_loads_the_model_only_from_an_absolute_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    document = {"checkpoint": {"initial_load_path": "exports/try1", "initial_load_in_hf": True}}
+    checkpoint = build_run_config(document, "test").checkpoint
+    assert checkpoint.initial_load_model_only is True
+    assert checkpoint.initial_load_path == str(tmp_path / "exports" / "try1")

@@ -1,4 +1,4 @@
-"""`titan-async`: train, resume, eval and inspect configs."""
+"""`titan-async`: train, resume, eval, export and inspect configs."""
 
 from __future__ import annotations
 
@@ -42,6 +42,12 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--json", action="store_true", help="print one JSON object")
     evaluate.add_argument("--prompt", default="def main():", help="prompt for the greedy continuation")
     evaluate.add_argument("--max-new-tokens", type=int, default=32)
+
+    export = commands.add_parser("export", help="write a checkpoint as a Hugging Face Llama directory")
+    export.add_argument("--checkpoint", type=Path, required=True, help="a checkpoint directory (RUN/checkpoint/step-N)")
+    export.add_argument("--out", type=Path, required=True, help="the directory to write")
+    export.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weight dtype (default: float32)")
+    export.add_argument("--overwrite", action="store_true", help="replace --out if it is not empty")
 
     report = commands.add_parser("report", help="an HTML page with a run's curves, config and optimizer groups")
     report.add_argument("--run-dir", type=Path, required=True)
@@ -151,6 +157,14 @@ def _eval(args) -> int:
     return evaluate_checkpoint(args.checkpoint, as_json=args.json, prompt=args.prompt, max_new_tokens=args.max_new_tokens)
 
 
+def _export(args) -> int:
+    from titan_async.export import export_checkpoint
+
+    export_checkpoint(args.checkpoint, args.out, args.dtype, args.overwrite)
+    print(f"exported {args.checkpoint} to {args.out}")
+    return 0
+
+
 def _report(args) -> int:
     from titan_async.report import write_report
 
@@ -182,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.ERROR)
     worker.quiet_library_noise()
     platform.configure()
-    handlers = {"train": _train, "resume": _resume, "eval": _eval, "config": _config_show, "report": _report, "plan": _plan}
+    handlers = {"train": _train, "resume": _resume, "eval": _eval, "export": _export, "config": _config_show, "report": _report, "plan": _plan}
     try:
         sys.exit(handlers[args.command](args))
     except UserError as err:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 import tempfile
 from pathlib import Path
 
@@ -25,7 +24,6 @@ from torchtitan.components.loss import IGNORE_INDEX
 from titan_async import launch, run_dir as runs
 from titan_async.config.assemble import trainer_config
 from titan_async.config.run_config import RunConfig, load_run_config
-from titan_async.errors import UserError
 
 
 def _single_process(run: RunConfig) -> RunConfig:
@@ -60,8 +58,7 @@ def _load_weights(trainer, checkpoint: Path) -> None:
     try:
         trainer.checkpointer.load()
     except (Exception, CheckpointException) as err:
-        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-        raise UserError(f"--checkpoint {checkpoint}: cannot read the checkpoint ({reason})") from None
+        raise runs.unreadable_checkpoint(checkpoint, err) from None
 
 
 def _forward(model, inputs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -109,11 +106,7 @@ def greedy_continuation(model, tokenizer, prompt: str, max_new_tokens: int) -> s
 
 def evaluate_checkpoint(checkpoint: Path, *, as_json: bool, prompt: str, max_new_tokens: int) -> int:
     """Print the evaluation of `checkpoint`; returns the exit status."""
-    match = re.fullmatch(r"step-(\d+)", checkpoint.name)
-    if not checkpoint.is_dir() or match is None:
-        raise UserError(f"--checkpoint {checkpoint}: expected a checkpoint directory RUN/checkpoint/step-N")
-    if not (checkpoint / ".metadata").is_file():
-        raise UserError(f"--checkpoint {checkpoint}: incomplete checkpoint (no .metadata; the save did not finish)")
+    step = runs.checkpoint_step(checkpoint)
     run_dir = checkpoint.parent.parent
     run = load_run_config(run_dir / runs.CONFIG_FILE)
     world_size = runs.load_launch(run_dir).get("world_size", 1)
@@ -129,7 +122,7 @@ def evaluate_checkpoint(checkpoint: Path, *, as_json: bool, prompt: str, max_new
             dist.destroy_process_group()
     result = {
         "checkpoint": str(checkpoint),
-        "step": int(match.group(1)),
+        "step": step,
         "loss": loss,
         "perplexity": math.exp(loss),
         "tokens": tokens,

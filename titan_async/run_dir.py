@@ -36,6 +36,22 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     return [path for _, path in sorted(steps)]
 
 
+def checkpoint_step(checkpoint: Path) -> int:
+    """N of a complete checkpoint directory RUN/checkpoint/step-N; UserError otherwise."""
+    match = re.fullmatch(r"step-(\d+)", checkpoint.name)
+    if not checkpoint.is_dir() or match is None:
+        raise UserError(f"--checkpoint {checkpoint}: expected a checkpoint directory RUN/checkpoint/step-N")
+    if not (checkpoint / ".metadata").is_file():
+        raise UserError(f"--checkpoint {checkpoint}: incomplete checkpoint (no .metadata; the save did not finish)")
+    return int(match.group(1))
+
+
+def unreadable_checkpoint(checkpoint: Path, err: BaseException) -> UserError:
+    """The one-line error for a checkpoint whose files DCP cannot read."""
+    reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+    return UserError(f"--checkpoint {checkpoint}: cannot read the checkpoint ({reason})")
+
+
 def claim(run_dir: Path, overwrite: bool) -> None:
     """Make `run_dir` ready for a new run; refuse to discard a run's checkpoints unless `overwrite`."""
     if (run_dir / CHECKPOINT_DIR).exists() and any((run_dir / CHECKPOINT_DIR).iterdir()):

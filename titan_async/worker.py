@@ -20,6 +20,7 @@ def quiet_library_noise() -> None:
     """Silence deprecation chatter from libraries that says nothing about the run."""
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def _setup_logging(run_dir: Path, verbose: bool) -> None:

@@ -13,6 +13,7 @@ from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from titan_async.config.run_config import RunConfig
 from titan_async.data.sources import prepare
 from titan_async.errors import UserError
+from titan_async.hf_weights import check_hf_weights
 from titan_async.model import build_model_spec
 from titan_async.pipeline.schedules import register as register_schedules, streaming_schedule
 from titan_async.trainer import AsyncTrainer
@@ -81,6 +82,8 @@ def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncT
         )
     except ValueError as err:
         raise UserError(f"{run.source}: {err}") from None
+    if run.checkpoint.initial_load_in_hf:
+        check_hf_weights(run.checkpoint.initial_load_path, model_spec, run.source)
     validator = dataclasses.replace(
         run.validation, dataloader=HuggingFaceTextDataLoader.Config(dataset=data.validation_dataset, infinite=False)
     )

@@ -190,6 +190,16 @@ def _section(name: str, default: Any, values: Any, source: str) -> Any:
         raise UserError(f"{where}: {err}") from None
 
 
+def _hf_initial_load(checkpoint: Any) -> None:
+    """Starting from Hugging Face weights loads only the model (torchtitan requires saying so), from
+    an absolute path (torchtitan's rule; a relative one is taken from the working directory)."""
+    if not isinstance(checkpoint, dict) or not checkpoint.get("initial_load_in_hf"):
+        return
+    checkpoint.setdefault("initial_load_model_only", True)
+    if isinstance(checkpoint.get("initial_load_path"), str):
+        checkpoint["initial_load_path"] = str(Path(checkpoint["initial_load_path"]).expanduser().resolve())
+
+
 def build_run_config(document: dict[str, Any], source: str) -> RunConfig:
     """Check `document` against the sections and return the resolved RunConfig."""
     defaults = _default_sections()
@@ -199,6 +209,7 @@ def build_run_config(document: dict[str, Any], source: str) -> RunConfig:
     if document.get("parallelism", {}).get("pipeline_parallel_degree", 1) != 1:
         # CUDA graphs cannot capture a pipeline schedule.
         defaults["training"] = dataclasses.replace(defaults["training"], disable_cuda_graphs=True)
+    _hf_initial_load(document.get("checkpoint"))
     sections = {name: _section(name, default, document.get(name, {}), source) for name, default in defaults.items()}
     return RunConfig(source=source, **sections)
 

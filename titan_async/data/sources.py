@@ -89,7 +89,8 @@ def _register(name: str, path: str, loader, text_field: str) -> str:
     return name
 
 
-def _tokenizer_dir(data: DataSection, builtin: Path | None) -> Path:
+def tokenizer_dir(data: DataSection, builtin: Path | None = None) -> Path:
+    """The directory of the tokenizer `data` names (building the stdlib one if needed)."""
     if not data.tokenizer:
         if builtin is None:
             from titan_async.data.stdlib_corpus import ensure_corpus
@@ -109,7 +110,7 @@ def prepare(data: DataSection, need_validation: bool) -> PreparedData:
 
         files = ensure_corpus(vocab_size=data.vocab_size)
         train, validation = register_datasets(files)
-        return PreparedData(train, validation, _tokenizer_dir(data, files.tokenizer_dir))
+        return PreparedData(train, validation, tokenizer_dir(data, files.tokenizer_dir))
     if not data.path:
         raise UserError(f"data.path is required when data.source = {data.source!r}")
     if data.source == "files":
@@ -123,9 +124,9 @@ def prepare(data: DataSection, need_validation: bool) -> PreparedData:
             validation = _register(
                 "files_validation", data.validation_path, partial(_load_files, builder=builder, files=files), data.text_field
             )
-        return PreparedData(train, validation, _tokenizer_dir(data, None))
+        return PreparedData(train, validation, tokenizer_dir(data, None))
     train = _register("hf", data.path, partial(_load_hf, subset=data.hf_subset, split=data.train_split), data.text_field)
     validation = _register(
         "hf_validation", data.path, partial(_load_hf, subset=data.hf_subset, split=data.validation_split), data.text_field
     )
-    return PreparedData(train, validation, _tokenizer_dir(data, None))
+    return PreparedData(train, validation, tokenizer_dir(data, None))

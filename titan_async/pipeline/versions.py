@@ -53,24 +53,27 @@ class TwoVersions:
         self.microbatches = microbatches
         self.fence = fence
         self.in_place = any(isinstance(p, DTensor) for p in params)
-        live = [_local(p) for p in params]
-        self.buffers = [[t.clone() for t in live] if self.in_place else live, [t.clone() for t in live]]
+        # Until the first update both versions are the live weights (W[-1] = W[0]); a version
+        # left None holds the live weights' values and is copied out when first needed, so
+        # weights loaded after construction (checkpoint.initial_load_path) become both versions.
+        self.buffers = [None if self.in_place else [_local(p) for p in params], None]
         self.active = 0
         self.backwards = Counter()
         self.updates = 0
 
-    def _keep_live(self) -> None:
-        """Copy the live version into its buffer if a checkpoint load left that for later."""
-        if self.buffers[self.active] is None:
-            self.buffers[self.active] = [_local(p).clone() for p in self.params]
+    def _version(self, index: int) -> list[torch.Tensor]:
+        """Buffer `index`, copied from the live weights if it was left None (see __init__)."""
+        if self.buffers[index] is None:
+            self.buffers[index] = [_local(p).clone() for p in self.params]
+        return self.buffers[index]
 
     def activate(self, batch: int) -> None:
         """Make every parameter hold the version batch `batch` uses."""
         index = batch % 2
         if index == self.active:
             return
-        self._keep_live()
-        for param, tensor in zip(self.params, self.buffers[index]):
+        self._version(self.active)
+        for param, tensor in zip(self.params, self._version(index)):
             if self.in_place:
                 _local(param).copy_(tensor)
             else:
@@ -94,8 +97,8 @@ class TwoVersions:
 
     def apply_update(self, batch: int, optimizer_step: Callable[[], None]) -> None:
         """U_{batch+2} = U_{batch+1} - Opt(g_batch), written into the buffer batch `batch` used."""
-        self._keep_live()
-        target, source = self.buffers[batch % 2], self.buffers[(batch + 1) % 2]
+        self._version(self.active)
+        target, source = self._version(batch % 2), self._version((batch + 1) % 2)
         self.updates += 1
         if self.in_place:
             for param, tensor in zip(self.params, source):
@@ -128,7 +131,7 @@ class TwoVersions:
         this is the other one, U_step, which the next batch still uses, sharded like the
         parameters. Never aliases the live parameters (a load fills these tensors while
         the model's own entries fill the parameters)."""
-        tensors = self.buffers[step % 2]
+        tensors = self._version(step % 2)
         if not self.in_place and step % 2 == self.active:
             tensors = [t.clone() for t in tensors]
         return {name: _like(param, t) for name, param, t in zip(names, self.params, tensors)}

@@ -1,0 +1,215 @@
+"""`titan-async export`: a checkpoint as a Hugging Face Llama directory (transformers, vLLM, lm-eval).
+
+The run's stored config gives the model; torchtitan's `Llama3StateDictAdapter` maps its
+entries to Hugging Face names (and permutes Q/K for HF's rotary layout). The checkpoint is
+read with DCP in this one process whatever layout wrote it (DCP's metadata joins FSDP shards
+and pipeline stages), one block of entries at a time, so memory holds at most one output
+shard. Only the model's own entries are read: after step N they hold W[N] for every schedule
+(PipeDream2BW's second version lies under separate keys).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, processors
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
+from torchtitan.models.llama3 import Llama3StateDictAdapter
+
+from titan_async import run_dir as runs
+from titan_async.config.run_config import load_run_config
+from titan_async.data.sources import tokenizer_dir
+from titan_async.errors import UserError
+from titan_async.plan import build_meta_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SHARD_BYTES = 5 * 2**30
+"""Largest safetensors file written (Hugging Face's default shard size)."""
+
+
+def hf_llama_config(model, bos_id: int | None, eos_id: int | None, dtype: str) -> dict:
+    """The transformers `LlamaConfig` (config.json) of a torchtitan llama3 model config;
+    UserError naming the feature when HF Llama cannot express the model."""
+    attention = model.layers[0].attention
+    rope = attention.rope
+    if rope.scaling not in ("none", "llama"):
+        raise UserError(f"model: rope scaling {rope.scaling!r} has no Hugging Face Llama equivalent")
+    epsilons = {model.norm.eps} | {norm.eps for layer in model.layers for norm in (layer.attention_norm, layer.ffn_norm)}
+    if len(epsilons) != 1:
+        raise UserError(f"model: RMSNorm eps differs between norms ({sorted(epsilons)}); Hugging Face Llama has one")
+    scaling = None
+    if rope.scaling == "llama":
+        scaling = {
+            "rope_type": "llama3",
+            "factor": rope.scaling_factor,
+            "low_freq_factor": rope.low_freq_factor,
+            "high_freq_factor": rope.high_freq_factor,
+            "original_max_position_embeddings": rope.original_max_position_embeddings,
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.dim,
+        "intermediate_size": model.layers[0].feed_forward.w1.out_features,
+        "num_hidden_layers": len(model.layers),
+        "num_attention_heads": attention.n_heads,
+        "num_key_value_heads": attention.n_kv_heads or attention.n_heads,
+        "head_dim": attention.head_dim or model.dim // attention.n_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": rope.max_seq_len,
+        "rms_norm_eps": epsilons.pop(),
+        "rope_theta": rope.theta,
+        "rope_scaling": scaling,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": model.enable_weight_tying,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": dtype,
+    }
+
+
+def _check_expressible(adapter: Llama3StateDictAdapter, expected: dict[str, torch.Tensor]) -> None:
+    """UserError for a model entry that torchtitan's adapter gives no Hugging Face Llama name."""
+    for name, tensor in expected.items():
+        if not adapter.to_hf({name: tensor}):
+            raise UserError(f"model: entry {name!r} has no Hugging Face Llama equivalent")
+
+
+def _stored_entries(checkpoint: Path, expected: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Entry -> (shape, stored dtype); UserError when the checkpoint cannot be read, or an entry
+    of the run's model is missing or has another shape."""
+    try:
+        stored = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    except Exception as err:
+        raise runs.unreadable_checkpoint(checkpoint, err) from None
+    entries = {}
+    for name, tensor in expected.items():
+        meta = stored.get(name)
+        if meta is None or not hasattr(meta, "size"):
+            raise UserError(f"--checkpoint {checkpoint}: incomplete checkpoint, no model entry {name!r}")
+        if meta.size != tensor.shape:
+            raise UserError(
+                f"--checkpoint {checkpoint}: entry {name!r} has shape {tuple(meta.size)}, the run's config "
+                f"gives {tuple(tensor.shape)}"
+            )
+        entries[name] = (meta.size, meta.properties.dtype)
+    return entries
+
+
+def _blocks(names: list[str]) -> list[list[str]]:
+    """Entries grouped as read: the embedding, each transformer block, the rest."""
+    blocks: dict[str, list[str]] = {}
+    for name in names:
+        parts = name.split(".")
+        blocks.setdefault(".".join(parts[:2]) if parts[0] == "layers" else parts[0], []).append(name)
+    return list(blocks.values())
+
+
+def _shards(blocks: list[list[str]], nbytes: dict[str, int]) -> list[list[list[str]]]:
+    """Consecutive blocks packed into shards of at most SHARD_BYTES (a larger block stands alone)."""
+    shards: list[list[list[str]]] = [[]]
+    size = 0
+    for block in blocks:
+        block_bytes = sum(nbytes[name] for name in block)
+        if shards[-1] and size + block_bytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(block)
+        size += block_bytes
+    return shards
+
+
+def _write_weights(checkpoint: Path, out: Path, adapter, entries: dict[str, tuple[torch.Size, torch.dtype]], dtype) -> None:
+    """model.safetensors, or model-0000i-of-0000n.safetensors shards and their index."""
+    nbytes = {name: shape.numel() * dtype.itemsize for name, (shape, _) in entries.items()}
+    shards = _shards(_blocks(list(entries)), nbytes)
+    files = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
+    ]
+    weight_map = {}
+    columns = (TextColumn("export"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    with Progress(*columns, transient=True, disable=not sys.stderr.isatty()) as progress:
+        task = progress.add_task("export", total=sum(nbytes.values()))
+        for file, shard in zip(files, shards):
+            tensors = {}
+            for block in shard:
+                state = {name: torch.empty(entries[name][0], dtype=entries[name][1]) for name in block}
+                try:
+                    dcp.load(state, checkpoint_id=str(checkpoint))
+                except Exception as err:
+                    raise runs.unreadable_checkpoint(checkpoint, err) from None
+                for hf_name, tensor in adapter.to_hf(state).items():
+                    tensors[hf_name] = tensor.to(dtype).contiguous()
+                    weight_map[hf_name] = file
+                progress.advance(task, sum(nbytes[name] for name in block))
+            save_file(tensors, str(out / file), metadata={"format": "pt"})
+            (out / file).chmod(0o644)
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _write_tokenizer(source: Path, tokenizer: HuggingFaceTokenizer, out: Path) -> None:
+    """tokenizer.json that prepends BOS as training did (Llama's convention, which transformers,
+    vLLM and lm-eval follow), and a tokenizer_config.json naming BOS and EOS."""
+    fast = Tokenizer.from_file(str(source / "tokenizer.json"))
+    if tokenizer.bos_token and not tokenizer.hf_adds_bos:
+        bos = tokenizer.bos_token
+        fast.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.bos_id)]
+        )
+    fast.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def _claim_output(out: Path, overwrite: bool) -> Path:
+    """A fresh directory beside `out` to write into; UserError if `out` holds files and not `overwrite`."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"--out {out}: exists and is not empty; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    scratch.chmod(0o755)
+    return scratch
+
+
+def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "float32", overwrite: bool = False) -> None:
+    """Write `checkpoint`'s model as a Hugging Face Llama directory at `out`. The export is built
+    beside `out` and moved into place at the end, so a failed export leaves `out` as it was."""
+    runs.checkpoint_step(checkpoint)
+    run = load_run_config(checkpoint.parent.parent / runs.CONFIG_FILE)
+    scratch = _claim_output(out, overwrite)
+    try:
+        tokenizer_source = tokenizer_dir(run.data)
+        tokenizer = HuggingFaceTokenizer(tokenizer_path=str(tokenizer_source))
+        meta = build_meta_model(run, tokenizer.get_vocab_size(), fsdp=False)
+        config = meta.spec.model
+        llama = hf_llama_config(config, tokenizer.bos_id, tokenizer.eos_id, dtype)
+        expected = meta.module.state_dict()
+        if config.enable_weight_tying:
+            del expected["lm_head.weight"]  # the embedding
+        adapter = Llama3StateDictAdapter(config, None)
+        _check_expressible(adapter, expected)
+        _write_weights(checkpoint, scratch, adapter, _stored_entries(checkpoint, expected), DTYPES[dtype])
+        (scratch / "config.json").write_text(json.dumps(llama, indent=2))
+        generation = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+        (scratch / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        _write_tokenizer(tokenizer_source, tokenizer, scratch)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(scratch, out)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
