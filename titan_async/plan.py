@@ -358,6 +358,7 @@ def _allocated_state(run: RunConfig, layout: Layout, parts: list[torch.nn.Module
     allocated["weights"] = sum(_local_bytes(p) for p in params)
     if layout.two_versions:
         versions = TwoVersions(params, layout.microbatches)
+        versions.activate(1)  # both versions exist from the first switch on
         copies = versions.buffers if versions.in_place else versions.buffers[1:]
         allocated["weight_versions"] = sum(_local_bytes(t) for buffer in copies for t in buffer)
     # Fused kernels refuse meta tensors; the foreach implementation keeps the same state.
