@@ -148,7 +148,8 @@ def compare(directories: list[Path], baseline: Path | None = None, target: float
     return runs, {"target": target, "baseline": str(runs[0].record.directory), "warnings": warnings, "runs": results}
 
 
-def _cell(value: float | None, form: str, missing: str = "-") -> str:
+def cell(value: float | None, form: str, missing: str = "-") -> str:
+    """`value` in `form`, or `missing` for None."""
     return missing if value is None else form.format(value)
 
 
@@ -158,8 +159,8 @@ def table_rows(results: dict) -> list[list[str]]:
     for row in results["runs"]:
         rows.append([
             row["label"], str(row["steps"]), f"{row['training_s']:.1f}", f"{row['tokens_per_s']:,.0f}",
-            _cell(row["final_validation_loss"], "{:.4f}"), _cell(row["best_validation_loss"], "{:.4f}"),
-            _cell(row["time_to_target_s"], "{:.1f}", "not reached"), _cell(row["speedup"], "{:.2f}x"),
+            cell(row["final_validation_loss"], "{:.4f}"), cell(row["best_validation_loss"], "{:.4f}"),
+            cell(row["time_to_target_s"], "{:.1f}", "not reached"), cell(row["speedup"], "{:.2f}x"),
         ])
     return rows
 
@@ -212,6 +213,6 @@ def run_compare(directories: list[Path], baseline: Path | None, target: str | No
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     print(f"target validation loss {results['target']:.4f}")
     for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        print("  ".join(text.ljust(width) for text, width in zip(row, widths)).rstrip())
     print(f"compare: {out}")
     return 0

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from experiments import ROOT, Job, run_recorded
-from titan_async.compare import compare, draw_plots
+from titan_async.compare import cell, compare, draw_plots
 
 SCHEDULES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "PipeDream2BW", "PACI")
 OPTIMIZERS = {
@@ -78,18 +78,14 @@ def table(per_seed: dict[int, dict]) -> list[dict]:
     return list(rows.values())
 
 
-def _cell(value: float | None, form: str, missing: str = "-") -> str:
-    return missing if value is None else form.format(value)
-
-
 def markdown(rows: list[dict], per_seed: dict[int, dict]) -> str:
     seeds = sorted(per_seed)
     head = ["arm", *(f"time to target s (seed {s})" for s in seeds), "reached", "mean speed-up", "mean tokens/s", "mean final val loss"]
     lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
     for row in rows:
-        times = [_cell(row["seeds"].get(s, {}).get("time_to_target_s"), "{:.1f}", "not reached") for s in seeds]
-        lines.append("| " + " | ".join([row["arm"], *times, row["reached"], _cell(row["mean_speedup"], "{:.2f}x"),
-                                        f"{row['mean_tokens_per_s']:,.0f}", _cell(row["mean_final_validation_loss"], "{:.4f}")]) + " |")
+        times = [cell(row["seeds"].get(s, {}).get("time_to_target_s"), "{:.1f}", "not reached") for s in seeds]
+        lines.append("| " + " | ".join([row["arm"], *times, row["reached"], cell(row["mean_speedup"], "{:.2f}x"),
+                                        f"{row['mean_tokens_per_s']:,.0f}", cell(row["mean_final_validation_loss"], "{:.4f}")]) + " |")
     return "\n".join(lines)
 
 
