@@ -1,29 +1,68 @@
-"""tools/bench_schedules.py end to end on a tiny model: it trains each schedule and writes its table."""
+"""tools/bench_schedules.py end to end on a tiny model: it trains each schedule and writes its table;
+and its ideal step time on a hand-written trace."""
 
 from __future__ import annotations
 
 import csv
+import importlib.util
+import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, fresh_environment
 
+_SPEC = importlib.util.spec_from_file_location("bench_schedules", REPO / "tools" / "bench_schedules.py")
+bench = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(bench)
 
-def test_benchmark_runs_sync_and_streaming_schedules_and_saves_the_table(tmp_path):
+
+def test_ideal_step_time_is_the_slowest_rank_never_waiting(tmp_path):
+    # rank 0: forwards 1, 1, 3 ms (median 1), backwards 2 ms, optimizer 0.5 ms: 2 x 3 + 0.5 = 6.5 ms;
+    # rank 1: forwards 2 ms, backwards 3 ms, optimizer 1 ms: 2 x 5 + 1 = 11 ms, the slowest
+    durations = {0: [("0F0", 1), ("0F1", 1), ("0F2", 3), ("0B0", 2), ("0B1", 2), ("0O0", 0.5)],
+                 1: [("1F0", 2), ("1B0", 3), ("1F1", 2), ("1B1", 3), ("1O0", 1)]}
+    events = [{"name": name, "ph": "X", "pid": 0, "tid": rank, "ts": 0.0, "dur": ms * 1e3}
+              for rank, actions in durations.items() for name, ms in actions]
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events}))
+    assert bench.ideal_step_time(tmp_path / "trace.json", microbatches=2) == pytest.approx(0.011)
+
+
+def number(cell: str) -> float:
+    return float(cell.replace(",", ""))
+
+
+def test_benchmark_runs_sync_zero_bubble_and_streaming_schedules_and_saves_the_table(tmp_path):
     command = [sys.executable, "tools/bench_schedules.py", "--stages", "2", "--microbatches", "2", "--microbatch-size", "1",
-               "--seq-len", "32", "--dim", "64", "--layers", "3", "--steps", "5", "--warmup", "1", "--reps", "1",
-               "--schedules", "1F1B,Interleaved1F1B,PipeDream2BW", "--out", str(tmp_path)]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, env=fresh_environment())
+               "--seq-len", "32", "--dim", "64", "--layers", "3", "--steps", "5", "--warmup", "1", "--reps", "2",
+               "--schedules", "1F1B,ZBVZeroBubble,PipeDream2BW", "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900, env=fresh_environment())
     assert result.returncode == 0, result.stderr[-3000:]
-    weights = next(line for line in result.stdout.splitlines() if line.startswith("stage weights MiB per rank: "))
-    rows = list(csv.reader(open(tmp_path / "bench_schedules_p2_m2.csv")))
-    assert rows[0][:3] == ["schedule", "tokens/s", "vs 1F1B"]
-    table = {row[0]: row for row in rows[1:]}
-    assert sorted(table) == ["1F1B", "Interleaved1F1B", "PipeDream2BW"]
-    assert float(table["1F1B"][2]) == 1.0 and float(table["PipeDream2BW"][1].replace(",", "")) > 0
-    bubbles = [float(b.rstrip("%")) / 100 for b in table["PipeDream2BW"][3].split()]
+    lines = result.stdout.splitlines()
+    weights = next(line for line in lines if line.startswith("stage weights MiB per rank: "))
+    ideal = number(next(line for line in lines if line.startswith("ideal ")).split(": ")[1].removesuffix(" tokens/s"))
+    with open(tmp_path / "bench_schedules_p2_m2.csv") as f:
+        rows = list(csv.DictReader(f))
+    table = {row["schedule"]: row for row in rows}
+    assert list(table) == ["1F1B", "ZBVZeroBubble", "PipeDream2BW"]
+    for row in rows:
+        assert number(row["min"]) <= number(row["tokens/s"]) <= number(row["max"])
+        # each ratio is the row's median tokens/s over its reference's, to the table's rounding
+        assert float(row["vs 1F1B"]) == pytest.approx(number(row["tokens/s"]) / number(table["1F1B"]["tokens/s"]), abs=2e-3)
+        assert float(row["of ideal"]) == pytest.approx(number(row["tokens/s"]) / ideal, abs=2e-3)
+    synchronous = [table[s] for s in ("1F1B", "ZBVZeroBubble")]
+    best = max(synchronous, key=lambda row: number(row["tokens/s"]))
+    assert f"best synchronous: {best['schedule']}" in result.stdout
+    for row in rows:
+        assert float(row["vs best sync"]) == pytest.approx(number(row["tokens/s"]) / number(best["tokens/s"]), abs=2e-3)
+    assert float(table["1F1B"]["vs 1F1B"]) == 1.0 and float(best["vs best sync"]) == 1.0
+
+    bubbles = [float(b.rstrip("%")) / 100 for b in table["PipeDream2BW"]["bubble per rank"].split()]
     assert len(bubbles) == 2 and all(0 <= b < 1 for b in bubbles)
-    assert table["1F1B"][3] == "[33%] [33%]"
+    # (p-1)/(m+p-1) for 1F1B; no formula for zero bubble
+    assert table["1F1B"]["bubble per rank"] == "[33%] [33%]"
+    assert table["ZBVZeroBubble"]["bubble per rank"] == "- -"
     # 2BW holds exactly one extra copy of each rank's stage weights (as planned)
-    assert table["PipeDream2BW"][6].split() == weights.split(": ")[1].split()
+    assert table["PipeDream2BW"]["weight copies MiB per rank"].split() == weights.split(": ")[1].split()
     assert (tmp_path / "bench_schedules_p2_m2.png").stat().st_size > 0

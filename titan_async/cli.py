@@ -1,4 +1,4 @@
-"""`titan-async`: train, resume, eval, export and inspect configs."""
+"""`titan-async`: train, resume, eval, export, report on and compare runs, and inspect configs."""
 
 from __future__ import annotations
 
@@ -52,6 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="an HTML page with a run's curves, config and optimizer groups")
     report.add_argument("--run-dir", type=Path, required=True)
     report.add_argument("--out", type=Path, help="HTML file to write, PNGs beside it (default: RUN/report/report.html)")
+
+    compare = commands.add_parser("compare", help="runs' losses by step, tokens and wall-clock, and their time to a target loss")
+    compare.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
+    compare.add_argument("--baseline", type=Path, help="the run to compare against (default: the first RUN_DIR)")
+    compare.add_argument("--target", help="validation loss to reach (default: the baseline's final validation loss)")
+    compare.add_argument("--out", type=Path, help="HTML file to write, PNGs beside it (default: BASELINE/compare/compare.html)")
+    compare.add_argument("--json", action="store_true", help="print the results as one JSON object, and write no page")
 
     plan = commands.add_parser("plan", help="per-GPU memory, bubbles and a fake-process-group dry run of a config's layout")
     config_args(plan)
@@ -172,6 +179,12 @@ def _report(args) -> int:
     return 0
 
 
+def _compare(args) -> int:
+    from titan_async.compare import run_compare
+
+    return run_compare(args.run_dirs, args.baseline, args.target, args.out, args.json)
+
+
 def _plan(args) -> int:
     from titan_async.config.run_config import load_run_config
     from titan_async.plan import Cluster, run_plan
@@ -196,7 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.ERROR)
     worker.quiet_library_noise()
     platform.configure()
-    handlers = {"train": _train, "resume": _resume, "eval": _eval, "export": _export, "config": _config_show, "report": _report, "plan": _plan}
+    handlers = {"train": _train, "resume": _resume, "eval": _eval, "export": _export, "config": _config_show,
+                "report": _report, "compare": _compare, "plan": _plan}
     try:
         sys.exit(handlers[args.command](args))
     except UserError as err:

@@ -24,6 +24,9 @@ LOSS = "loss_metrics/global_avg_loss"
 VALIDATION_LOSS = "validation_metrics/loss"
 TOKENS_PER_SECOND = "throughput(tps)"
 MEMORY = "memory/max_reserved(GiB)"
+TRAINING_SECONDS = "time_metrics/training(s)"
+"""Seconds spent in training steps since the previous logged step (validation and checkpoints
+excluded; a streaming schedule's drain counts): summed over steps, the run's training wall-clock."""
 
 
 class ProgressDisplay:
@@ -136,9 +139,27 @@ class RunMetrics(MetricsProcessor):
 
         self.is_reporting_rank = dist.get_rank() == _get_metrics_rank(parallel_dims=parallel_dims, pp_schedule=pp_schedule)
         self.tee: _TeeLogger | None = None
+        self.unlogged_training_s = 0.0
+        self.step_started: float | None = None
         if self.is_reporting_rank:
             self.tee = _TeeLogger(self.logger, Path(dump_folder) / "metrics.jsonl")
             self.logger = self.tee
+
+    def start_training_step(self) -> None:
+        self.step_started = time.perf_counter()
+
+    def end_training_step(self) -> None:
+        self.unlogged_training_s += time.perf_counter() - self.step_started
+        self.step_started = None
+
+    def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float, extra_metrics: dict | None = None):
+        """torchtitan's log, with TRAINING_SECONDS: the training steps' time since the last log,
+        including the current step so far (the rest of it counts towards the next log)."""
+        training_s, self.unlogged_training_s = self.unlogged_training_s, 0.0
+        if self.step_started is not None:
+            now = time.perf_counter()
+            training_s, self.step_started = training_s + now - self.step_started, now
+        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics={**(extra_metrics or {}), TRAINING_SECONDS: training_s})
 
     def start_display(self, total_steps: int) -> None:
         """Start showing progress (on the reporting rank only)."""

@@ -52,14 +52,15 @@ def _json_rows(path: Path) -> list[dict]:
     return rows
 
 
-def read_run(directory: Path) -> RunRecord:
-    """Read `directory`; UserError if it is not a run directory or has logged no training step."""
-    launch = runs.load_launch(directory)
+def read_run(directory: Path, argument: str = "--run-dir") -> RunRecord:
+    """Read `directory`; UserError naming `argument` if it is not a run directory or has logged
+    no training step."""
+    launch = runs.load_launch(directory, argument)
     metrics_file = directory / "metrics.jsonl"
     rows = _json_rows(metrics_file) if metrics_file.is_file() else []
     train = {row["step"]: row for row in rows if row.get("kind") == "train"}
     if not train:
-        raise UserError(f"--run-dir {directory}: no training step logged yet ({metrics_file.name} is missing or empty)")
+        raise UserError(f"{argument} {directory}: no training step logged yet ({metrics_file.name} is missing or empty)")
     bubbles = {}
     for path in sorted((directory / "pipeline").glob("rank*.jsonl")):
         per_step = {row["step"]: row["bubble"] for row in _json_rows(path) if row.get("bubble") is not None}
@@ -77,18 +78,19 @@ def read_run(directory: Path) -> RunRecord:
     )
 
 
-def _series(rows: dict[int, dict], key: str) -> tuple[list[int], list[float]]:
+def series(rows: dict[int, dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the rows that logged `key`, in step order."""
     steps = [step for step in sorted(rows) if rows[step].get(key) is not None]
     return steps, [rows[step][key] for step in steps]
 
 
-def _plot(path: Path, title: str, ylabel: str, lines: list[tuple[str, list[int], list[float]]]) -> None:
-    """One line chart over training steps, saved as a PNG."""
+def line_chart(path: Path, title: str, ylabel: str, lines: list[tuple[str, list[float], list[float]]], xlabel: str = "step") -> None:
+    """One line chart of (label, x, y) lines, saved as a PNG."""
     figure = Figure(figsize=(8, 3.6), layout="constrained")
     axes = figure.add_subplot()
     for label, steps, values in lines:
         axes.plot(steps, values, marker="o" if len(steps) <= 30 else None, markersize=3, label=label)
-    axes.set(title=title, xlabel="step", ylabel=ylabel)
+    axes.set(title=title, xlabel=xlabel, ylabel=ylabel)
     axes.grid(alpha=0.3)
     axes.legend()
     figure.savefig(path, dpi=110)
@@ -97,17 +99,17 @@ def _plot(path: Path, title: str, ylabel: str, lines: list[tuple[str, list[int],
 def draw_plots(record: RunRecord, folder: Path) -> list[tuple[str, str, Path]]:
     """Write the run's PNGs into `folder`; returns (section id, caption, file) of each."""
     plots = []
-    loss_lines = [("training loss", *_series(record.train, TRAIN_LOSS))]
+    loss_lines = [("training loss", *series(record.train, TRAIN_LOSS))]
     if record.validation:
-        loss_lines.append(("validation loss", *_series(record.validation, VALIDATION_LOSS)))
-    _plot(folder / "loss.png", "loss", "cross-entropy", loss_lines)
+        loss_lines.append(("validation loss", *series(record.validation, VALIDATION_LOSS)))
+    line_chart(folder / "loss.png", "loss", "cross-entropy", loss_lines)
     plots.append(("loss", "Training loss and validation loss per step", folder / "loss.png"))
-    _plot(folder / "throughput.png", "throughput", "tokens/s per device",
-          [("tokens/s per device", *_series(record.train, THROUGHPUT))])
+    line_chart(folder / "throughput.png", "throughput", "tokens/s per device",
+               [("tokens/s per device", *series(record.train, THROUGHPUT))])
     plots.append(("throughput", "Tokens per second per device (torchtitan's throughput(tps))", folder / "throughput.png"))
     if record.rank_bubbles:
         lines = [(f"rank {rank}", sorted(b), [b[s] for s in sorted(b)]) for rank, b in sorted(record.rank_bubbles.items())]
-        _plot(folder / "bubble.png", "pipeline bubble", "idle share of the step", lines)
+        line_chart(folder / "bubble.png", "pipeline bubble", "idle share of the step", lines)
         plots.append(("pipeline", "Measured pipeline bubble per rank", folder / "bubble.png"))
     if (record.directory / TIMELINE).is_file():
         shutil.copyfile(record.directory / TIMELINE, folder / "timeline.png")
@@ -121,7 +123,7 @@ def summary(record: RunRecord) -> list[tuple[str, str]]:
     last = max(record.train)
     configured = record.config.get("training", {}).get("steps", "?")
     world = record.launch.get("world_size", record.launch.get("nproc_per_node", 1))
-    _, train_losses = _series(record.train, TRAIN_LOSS)
+    _, train_losses = series(record.train, TRAIN_LOSS)
     rows = [
         ("run directory", str(record.directory)),
         ("steps logged", f"{last} of {configured}"),
@@ -129,19 +131,19 @@ def summary(record: RunRecord) -> list[tuple[str, str]]:
         ("first training loss", f"{train_losses[0]:.4f}"),
         ("final training loss", f"{train_losses[-1]:.4f} (step {last})"),
     ]
-    val_steps, val_losses = _series(record.validation, VALIDATION_LOSS)
+    val_steps, val_losses = series(record.validation, VALIDATION_LOSS)
     if val_steps:
         rows.append(("final validation loss", f"{val_losses[-1]:.4f} (step {val_steps[-1]})"))
         rows.append(("best validation loss", f"{min(val_losses):.4f}"))
-    _, tps = _series(record.train, THROUGHPUT)
+    _, tps = series(record.train, THROUGHPUT)
     if tps:
         median = statistics.median(tps[1:] or tps)
         rows.append(("tokens/s per device (median, first step excluded)", f"{median:,.0f}"))
         rows.append(("tokens/s whole job (median x processes)", f"{median * world:,.0f}"))
-    _, memory = _series(record.train, MEMORY)
+    _, memory = series(record.train, MEMORY)
     if memory:
         rows.append(("peak memory reserved", f"{max(memory):.2f} GiB"))
-    _, bubble = _series(record.train, BUBBLE)
+    _, bubble = series(record.train, BUBBLE)
     if bubble:
         rows.append(("mean pipeline bubble", f"{statistics.fmean(bubble):.1%}"))
     stop = runs.early_stop(record.directory)
@@ -151,7 +153,7 @@ def summary(record: RunRecord) -> list[tuple[str, str]]:
     return rows
 
 
-def _table(header: list[str] | None, rows: list[list[str]]) -> str:
+def html_table(header: list[str] | None, rows: list[list[str]]) -> str:
     head = "" if header is None else "<thead><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr></thead>"
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
     return f"<table>{head}<tbody>{body}</tbody></table>"
@@ -172,10 +174,10 @@ def step_table(record: RunRecord) -> str:
             _number(row.get("grad_norm")), _number(row.get(THROUGHPUT), "{:,.0f}"),
             *(_number(row.get(key), "{:.4g}") for key in lr_keys),
         ])
-    return _table(["step", "training loss", "validation loss", "grad norm", "tokens/s", *lr_keys], rows)
+    return html_table(["step", "training loss", "validation loss", "grad norm", "tokens/s", *lr_keys], rows)
 
 
-_STYLE = """
+PAGE_STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
 h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ccc; padding-bottom: .2em; margin-top: 1.6em; }
 table { border-collapse: collapse; font-size: .9em; }
@@ -186,7 +188,7 @@ figure { margin: 1em 0; } img { max-width: 100%; }
 """
 
 
-def _figure(caption: str, path: Path) -> str:
+def html_figure(caption: str, path: Path) -> str:
     data = base64.b64encode(path.read_bytes()).decode("ascii")
     return (f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'
             f"<figcaption>{html.escape(caption)} ({html.escape(path.name)})</figcaption></figure>")
@@ -194,17 +196,14 @@ def _figure(caption: str, path: Path) -> str:
 
 def render_html(record: RunRecord, plots: list[tuple[str, str, Path]]) -> str:
     """The page: summary, plots, per-step table, optimizer groups and resolved config."""
-    name = html.escape(record.directory.resolve().name)
     parts = [
-        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>titan-async run {name}</title>'
-        f"<style>{_STYLE}</style></head><body><h1>titan-async run {name}</h1>",
         '<section id="summary"><h2>Summary</h2>',
-        _table(None, [list(row) for row in summary(record)]),
+        html_table(None, [list(row) for row in summary(record)]),
         "</section>",
     ]
     titles = {"loss": "Loss", "throughput": "Throughput", "pipeline": "Pipeline"}
     for section in titles:
-        figures = [_figure(caption, path) for sid, caption, path in plots if sid == section]
+        figures = [html_figure(caption, path) for sid, caption, path in plots if sid == section]
         if figures:
             parts.append(f'<section id="{section}"><h2>{titles[section]}</h2>{"".join(figures)}</section>')
     parts.append(f'<section id="steps"><h2>Per-step metrics</h2><details><summary>{len(record.train)} logged steps'
@@ -215,8 +214,26 @@ def render_html(record: RunRecord, plots: list[tuple[str, str, Path]]) -> str:
                      f"<pre>{html.escape(groups.read_text())}</pre></section>")
     parts.append(f'<section id="config"><h2>Resolved config ({runs.CONFIG_FILE})</h2>'
                  f"<pre>{html.escape(record.config_text)}</pre></section>")
-    parts.append("</body></html>\n")
-    return "\n".join(parts)
+    return html_page(f"titan-async run {record.directory.resolve().name}", parts)
+
+
+def html_page(title: str, body: list[str]) -> str:
+    """A self-contained HTML page: `title` as heading, then the `body` parts."""
+    title = html.escape(title)
+    return "\n".join([
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
+        f"<style>{PAGE_STYLE}</style></head><body><h1>{title}</h1>",
+        *body,
+        "</body></html>\n",
+    ])
+
+
+def page_path(out: Path) -> Path:
+    """`out`, with its folder created; UserError if it is a directory."""
+    if out.is_dir():
+        raise UserError(f"--out {out}: is a directory; give the HTML file to write")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def write_report(directory: Path, out: Path | None = None) -> Path:
@@ -227,9 +244,6 @@ def write_report(directory: Path, out: Path | None = None) -> Path:
     or `out` is a directory.
     """
     record = read_run(directory)
-    out = out or directory / "report" / "report.html"
-    if out.is_dir():
-        raise UserError(f"--out {out}: is a directory; give the HTML file to write")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = page_path(out or directory / "report" / "report.html")
     runs.write_atomic(out, render_html(record, draw_plots(record, out.parent)))
     return out

@@ -92,10 +92,13 @@ def record_stop(run_dir: Path, step: int, reason: str) -> None:
     write_atomic(run_dir / STOPPED_FILE, json.dumps({"step": step, "reason": reason}))
 
 
-def load_launch(run_dir: Path) -> dict:
-    """The launch settings of an existing run; UserError if `run_dir` is not a run directory."""
+def load_launch(run_dir: Path, argument: str = "--run-dir") -> dict:
+    """The launch settings of an existing run; UserError naming `argument` if `run_dir` is not a
+    run directory."""
+    if not run_dir.is_dir():
+        raise UserError(f"{argument} {run_dir}: no such directory")
     if not (run_dir / CONFIG_FILE).is_file():
-        raise UserError(f"--run-dir {run_dir}: not a titan-async run directory (no {CONFIG_FILE})")
+        raise UserError(f"{argument} {run_dir}: not a titan-async run directory (no {CONFIG_FILE})")
     launch = run_dir / LAUNCH_FILE
     return json.loads(launch.read_text()) if launch.is_file() else {"nproc_per_node": 1}
 

@@ -239,6 +239,7 @@ class AsyncTrainer(Trainer):
         return step >= config.training.steps or checkpoint or validation
 
     def train_step(self, data_iterator) -> None:
+        self.metrics_processor.start_training_step()
         if self.stream is not None:
             self._streaming_train_step(data_iterator)
         elif self.delay is not None:
@@ -249,6 +250,7 @@ class AsyncTrainer(Trainer):
             self.stop_request.request("nonfinite")
         if self.parallel_dims.pp_enabled or self.stream is not None:
             self._record_rank_step()
+        self.metrics_processor.end_training_step()
 
     def _synchronous_train_step(self, data_iterator, update) -> None:
         """torchtitan's step, with `update(optimizer_step)` in place of the optimizer step and

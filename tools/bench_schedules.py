@@ -1,13 +1,17 @@
 """Throughput, bubble and memory of pipeline schedules on the same model, data and microbatches.
 
-    python tools/bench_schedules.py --stages 2 --microbatches 4 --reps 3
+    python tools/bench_schedules.py --stages 2 --microbatches 4 --reps 5
 
 Runs `titan-async train` once per schedule and repetition, interleaving the
 schedules so machine noise hits them alike, and prints (and saves as CSV and PNG)
 tokens/s from the median step time (steps after `--warmup`, the draining last step
-excluded; median over repetitions), its ratio to 1F1B measured in the same
-invocation, the measured bubble per rank (streaming schedules time every action;
-the synchronous ones show the (p-1)/(m+p-1) prediction in brackets), the peak
+excluded; median, min and max over repetitions), its ratio to 1F1B and to the best
+synchronous schedule measured in the same invocation, and to the ideal: the
+tokens/s of a pipeline that never waits, from the streaming runs' traced action
+durations (the slowest rank's m x (median F + median B) + median optimizer step).
+Also the bubble per rank (measured for the streaming schedules, which time every
+action; for GPipe, 1F1B and Interleaved1F1B their formula's prediction in brackets;
+"-" for the zero-bubble schedules, which no such formula describes), the peak
 memory (RSS) per rank and its difference to 1F1B's, and the weight copies the
 streaming schedules hold beyond the live weights, next to each rank's stage
 weights from `titan-async plan`.
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -32,7 +37,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "train_configs" / "debug_cpu_pp2.toml"
-SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "PipeDream2BW", "PACI"]
+SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "PipeDream2BW", "PACI"]
 STREAMING = {"PipeDream2BW", "PACI"}
 
 
@@ -51,6 +56,7 @@ def settings(schedule: str, args) -> list[str]:
         "checkpoint.enable=false",
         "validation.enable=false",
         "metrics.enable_tensorboard=false",
+        f"metrics.pipeline_trace={str(schedule in STREAMING).lower()}",
     ]
 
 
@@ -68,8 +74,20 @@ def stage_weights_mib(args) -> dict[int, float]:
     return {row["pp_rank"]: row["memory"]["weights"] / 2**20 for row in plan["ranks"]}
 
 
+def ideal_step_time(trace: Path, microbatches: int) -> float:
+    """Seconds per step of the slowest rank if it never waited: m x (median forward + median
+    backward) + median optimizer step, from a traced run's action durations."""
+    durations: dict[int, dict[str, list[float]]] = {}
+    for event in json.loads(trace.read_text())["traceEvents"]:
+        kind = re.fullmatch(r"\d+([FBO])\d+", event["name"]).group(1)
+        durations.setdefault(event["tid"], {}).setdefault(kind, []).append(event["dur"] / 1e6)
+    median = statistics.median
+    return max(microbatches * (median(d["F"]) + median(d["B"])) + median(d["O"]) for d in durations.values())
+
+
 def run(schedule: str, args, run_dir: Path) -> dict:
-    """Train once; returns tokens/s and per-rank bubble and memory over the measured steps."""
+    """Train once; returns tokens/s, per-rank bubble and memory over the measured steps, and
+    the ideal tokens/s of a traced (streaming) run."""
     titan_async("train", schedule, args, "--nproc-per-node", str(args.stages), "--run-dir", str(run_dir))
     measured = range(args.warmup + 1, args.steps)  # the last step also drains
     per_rank = {}
@@ -77,8 +95,11 @@ def run(schedule: str, args, run_dir: Path) -> dict:
         rows = {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
         per_rank[int(path.stem[4:])] = rows
     step_time = statistics.median(per_rank[0][s]["time"] - per_rank[0][s - 1]["time"] for s in measured)
+    tokens = args.microbatch_size * args.microbatches * args.seq_len
+    trace = run_dir / "pipeline" / "trace.json"
     return {
-        "tokens_per_s": args.microbatch_size * args.microbatches * args.seq_len / step_time,
+        "tokens_per_s": tokens / step_time,
+        "ideal_tokens_per_s": tokens / ideal_step_time(trace, args.microbatches) if trace.is_file() else None,
         "bubble": {r: statistics.median(rows[s]["bubble"] for s in measured) if schedule in STREAMING else None for r, rows in per_rank.items()},
         "memory_gib": {r: max(rows[s]["memory_gib"] for s in measured) for r, rows in per_rank.items()},
         "copies_mib": {r: 1024 * max(rows[s].get("weight_versions_gib", 0.0) for s in measured) for r, rows in per_rank.items()},
@@ -97,7 +118,7 @@ def main() -> None:
                         help="layers the embedding counts for when splitting (parallelism.pipeline_parallel_first_stage_less_layers)")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results")
     args = parser.parse_args()
@@ -112,29 +133,46 @@ def main() -> None:
     report(results, weights, args)
 
 
+def predicted_bubble(schedule: str, p: int, m: int) -> float | None:
+    """The idle share a synchronous schedule's formula predicts; None where no formula describes it."""
+    stages_per_rank = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}.get(schedule)
+    return None if stages_per_rank is None else (p - 1) / (stages_per_rank * m + p - 1)
+
+
 def report(results: dict[str, list[dict]], weights: dict[int, float], args) -> None:
     p, m = args.stages, args.microbatches
-    predicted = {"Interleaved1F1B": (p - 1) / (2 * m + p - 1)}  # two stages per rank
-    baseline = statistics.median(r["tokens_per_s"] for r in results["1F1B"]) if "1F1B" in results else None
+    speeds = {s: [r["tokens_per_s"] for r in runs] for s, runs in results.items()}
+    median = {s: statistics.median(v) for s, v in speeds.items()}
+    synchronous = [s for s in results if s not in STREAMING]
+    best_sync = max(synchronous, key=median.get) if synchronous else None
+    ideals = [r["ideal_tokens_per_s"] for runs in results.values() for r in runs if r["ideal_tokens_per_s"]]
+    ideal = statistics.median(ideals) if ideals else None
+
+    def ratio(value: float, reference: float | None) -> str:
+        return f"{value / reference:.3f}" if reference else "-"
+
     rows = []
     peak = {s: {k: max(r["memory_gib"][k] for r in runs) for k in runs[0]["memory_gib"]} for s, runs in results.items()}
     for schedule, runs in results.items():
-        speed = statistics.median(r["tokens_per_s"] for r in runs)
         ranks = sorted(runs[0]["memory_gib"])
-        bubbles = [
-            f"{statistics.median(r['bubble'][k] for r in runs):.1%}"
-            if schedule in STREAMING
-            else f"[{predicted.get(schedule, (p - 1) / (m + p - 1)):.0%}]"
-            for k in ranks
-        ]
+        if schedule in STREAMING:
+            bubbles = [f"{statistics.median(r['bubble'][k] for r in runs):.1%}" for k in ranks]
+        else:
+            predicted = predicted_bubble(schedule, p, m)
+            bubbles = ["-" if predicted is None else f"[{predicted:.0%}]" for _ in ranks]
         memory = [f"{peak[schedule][k]:.3f}" for k in ranks]
         extra = [f"{peak[schedule][k] - peak['1F1B'][k]:+.3f}" for k in ranks] if "1F1B" in peak else ["-"]
         copies = [f"{max(r['copies_mib'][k] for r in runs):.2f}" for k in ranks] if schedule in STREAMING else ["-"]
-        rows.append([schedule, f"{speed:,.0f}", f"{speed / baseline:.3f}" if baseline else "-", " ".join(bubbles),
-                     " ".join(memory), " ".join(extra), " ".join(copies)])
-    header = ["schedule", "tokens/s", "vs 1F1B", "bubble per rank", "peak GiB per rank", "vs 1F1B GiB per rank", "weight copies MiB per rank"]
+        speed = median[schedule]
+        rows.append([schedule, f"{speed:,.0f}", f"{min(speeds[schedule]):,.0f}", f"{max(speeds[schedule]):,.0f}",
+                     ratio(speed, median.get("1F1B")), ratio(speed, median.get(best_sync)), ratio(speed, ideal),
+                     " ".join(bubbles), " ".join(memory), " ".join(extra), " ".join(copies)])
+    header = ["schedule", "tokens/s", "min", "max", "vs 1F1B", "vs best sync", "of ideal", "bubble per rank",
+              "peak GiB per rank", "vs 1F1B GiB per rank", "weight copies MiB per rank"]
     widths = [max(len(str(row[i])) for row in rows + [header]) for i in range(len(header))]
-    print(f"\np={p} m={m}, median of {args.reps} interleaved runs; ceiling of streaming vs 1F1B: {(m + p - 1) / m:.3f}")
+    print(f"\np={p} m={m}, median (min, max) of {args.reps} interleaved runs; best synchronous: {best_sync or '-'}")
+    if ideal:
+        print(f"ideal (no waiting, from the traced F, B and optimizer durations): {ideal:,.0f} tokens/s")
     print("stage weights MiB per rank: " + " ".join(f"{weights[k]:.2f}" for k in sorted(weights)))
     for row in [header] + rows:
         print("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)))
@@ -142,26 +180,35 @@ def report(results: dict[str, list[dict]], weights: dict[int, float], args) -> N
     stem = args.out / f"bench_schedules_p{p}_m{m}"
     with open(stem.with_suffix(".csv"), "w", newline="") as f:
         csv.writer(f).writerows([header] + rows)
-    plot(rows, p, m, stem.with_suffix(".png"))
+    plot(rows, ideal, p, m, stem.with_suffix(".png"))
     print(f"saved {stem}.csv and {stem}.png")
 
 
-def plot(rows: list[list[str]], p: int, m: int, path: Path) -> None:
-    """Bar chart of tokens/s per schedule, labelled with the ratio to 1F1B."""
+def plot(rows: list[list[str]], ideal: float | None, p: int, m: int, path: Path) -> None:
+    """Bar chart of median tokens/s per schedule with its min-max range, labelled with the
+    ratio to the best synchronous schedule, and the ideal as a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 3.8))
-    speeds = [float(row[1].replace(",", "")) for row in rows]
-    ax.bar([row[0] for row in rows], speeds, color=["tab:gray" if row[0] not in STREAMING else "tab:blue" for row in rows])
+    def number(cell: str) -> float:
+        return float(cell.replace(",", ""))
+
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    speeds = [number(row[1]) for row in rows]
+    spread = [[s - number(row[2]) for s, row in zip(speeds, rows)], [number(row[3]) - s for s, row in zip(speeds, rows)]]
+    ax.bar([row[0] for row in rows], speeds, yerr=spread, capsize=3,
+           color=["tab:gray" if row[0] not in STREAMING else "tab:blue" for row in rows])
     for i, row in enumerate(rows):
-        ax.text(i, speeds[i], row[2], ha="center", va="bottom")
+        ax.text(i, number(row[3]), row[5], ha="center", va="bottom")
+    if ideal:
+        ax.axhline(ideal, color="tab:green", linestyle="--", label=f"ideal {ideal:,.0f}")
+        ax.legend(loc="lower right")
     ax.margins(y=0.12)
-    ax.tick_params(axis="x", labelsize=8)
+    ax.tick_params(axis="x", labelsize=7)
     ax.set_ylabel("tokens/s")
-    ax.set_title(f"pipeline schedules, p={p}, m={m} (labels: ratio to 1F1B)")
+    ax.set_title(f"pipeline schedules, p={p}, m={m} (labels: ratio to the best synchronous schedule)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

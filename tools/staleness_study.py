@@ -18,18 +18,16 @@ import argparse
 import csv
 import json
 import math
-import os
 import shlex
 import shutil
-import subprocess
 import sys
-import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from experiments import ROOT, Job, run_jobs, run_recorded
+from titan_async.compare import smooth
+
 OPTIMIZERS = ("adamw", "muon")
 OPTIMIZER_LABELS = {"adamw": "AdamW", "muon": "Muon"}
 TRAIN_LOSS = "loss_metrics/global_avg_loss"
@@ -294,15 +292,6 @@ def format_tuning(path: Path) -> str:
     return "\n".join(lines)
 
 
-def _smooth(values: list[float], beta: float = 0.9) -> list[float]:
-    """Bias-corrected exponential moving average."""
-    out, avg = [], 0.0
-    for i, v in enumerate(values, 1):
-        avg = beta * avg + (1 - beta) * v
-        out.append(avg / (1 - beta**i))
-    return out
-
-
 def plot_curves(curves: dict[Arm, Curves], path: Path) -> None:
     """PNG: validation (top) and smoothed training loss (bottom), one column per optimizer, one
     colour per arm; seed 0 solid, other seeds thinner and dotted. Each row shares a y range that
@@ -323,7 +312,7 @@ def plot_curves(curves: dict[Arm, Curves], path: Path) -> None:
                 if arm.optimizer != opt or not points:
                     continue
                 steps = [s for s, _ in points]
-                losses = [v for _, v in points] if kind == "validation" else _smooth([v for _, v in points])
+                losses = [v for _, v in points] if kind == "validation" else smooth([v for _, v in points])
                 style = dict(lw=1.8, ls="-", label=arm.label) if arm.seed == 0 else dict(lw=0.9, ls=":", label=f"{arm.label} (seed {arm.seed})")
                 ax.plot(steps, losses, color=colors[(arm.delay, arm.ef)], marker="o" if kind == "validation" else None, ms=3, **style)
                 ys += [v for s, v in zip(steps, losses) if s >= 0.2 * steps[-1]]
@@ -380,60 +369,15 @@ class Settings:
         return [f"optimizer.lr={self.muon_lr}", f"optimizer.muon.adamw_lr={self.muon_adamw_lr}"]
 
 
-def train_command(arm: Arm, settings: Settings, run_dir: Path) -> list[str]:
-    """The `python -m titan_async.cli train` command line of one arm."""
-    command = [sys.executable, "-m", "titan_async.cli", "train", "--config", "debug_cpu", "--run-dir", str(run_dir), "--overwrite"]
-    for value in settings.overrides() + settings.optimizer_overrides(arm.optimizer) + arm.overrides():
-        command += ["--set", value]
-    return command
-
-
-def run_arm(arm: Arm, settings: Settings, run_dir: Path, sharing: int = 1) -> float:
-    """Train one arm into `run_dir` (replacing an earlier run there); return wall seconds.
-    `sharing` runs share the machine at once: each is told so through LOCAL_WORLD_SIZE, from
-    which titan-async sizes its intra-op thread pool (cores // LOCAL_WORLD_SIZE) in a one-process
-    run. Console output goes to `run_dir`.log; raises RuntimeError with its tail on failure."""
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
-    log_file = run_dir.with_suffix(".log")
-    env = {**os.environ, "LOCAL_WORLD_SIZE": str(sharing)}
-    start = time.perf_counter()
-    with open(log_file, "w") as log:
-        command = train_command(arm, settings, run_dir)
-        status = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-    if status:
-        tail = "\n".join(log_file.read_text().splitlines()[-20:])
-        raise RuntimeError(f"{arm.name} failed with exit status {status} (log: {log_file}):\n{tail}")
-    return time.perf_counter() - start
-
-
-def run_arms(jobs: list[tuple[Arm, Settings, Path]], parallel: int) -> list[float]:
-    """Run the (arm, settings, run directory) jobs, `parallel` at a time in list order; wall seconds
-    of each, in the same order."""
-
-    def one(job: tuple[Arm, Settings, Path]) -> float:
-        arm, settings, run_dir = job
-        wall = run_arm(arm, settings, run_dir, parallel)
-        print(f"  {run_dir.name}: {wall:.0f} s, load average {os.getloadavg()[0]:.1f}", flush=True)
-        return wall
-
-    with ThreadPoolExecutor(max_workers=parallel) as pool:
-        return list(pool.map(one, jobs))
+def job(arm: Arm, settings: Settings, run_dir: Path) -> Job:
+    """The training run of one arm."""
+    return Job(run_dir.name, run_dir, "debug_cpu", settings.overrides() + settings.optimizer_overrides(arm.optimizer) + arm.overrides())
 
 
 def finished(run_dir: Path, steps: int) -> bool:
     """Whether `run_dir` holds a run that validated at step `steps`."""
     metrics = run_dir / "metrics.jsonl"
     return metrics.is_file() and any(step == steps for step, _ in load_curves(metrics).validation)
-
-
-def git_state() -> str:
-    """`git rev-parse HEAD`, plus the tracked files with uncommitted changes, if any."""
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, check=True)
-    dirty = [line[3:] for line in status.stdout.splitlines()]
-    return head + (f" with uncommitted changes to: {', '.join(dirty)}" if dirty else "")
 
 
 def write_readme(path: Path, rows: list[Row], claims: list[Claim], sections: dict[str, str]) -> None:
@@ -516,15 +460,10 @@ def run_study(args: argparse.Namespace, settings: Settings, arms: list[Arm]) -> 
     """Train the arms (those already finished in --runs-dir are kept under --skip-done); return
     wall seconds per trained run name and markdown lines describing this invocation."""
     todo = [a for a in arms if not (args.skip_done and finished(args.runs_dir / a.name, settings.steps))]
-    revision, load_before, start = git_state(), os.getloadavg(), time.perf_counter()
-    walls = run_arms([(arm, settings, args.runs_dir / arm.name) for arm in todo], args.parallel)
-    total = time.perf_counter() - start
-    command = shlex.join([".venv/bin/python", "tools/staleness_study.py", *args.argv])
-    every_run = shlex.join(train_command(Arm("adamw", 0, False), settings, Path("RUN"))[1:])
+    walls, invocation = run_recorded("tools/staleness_study.py", args.argv, [job(a, settings, args.runs_dir / a.name) for a in todo], args.parallel)
+    every_run = shlex.join(job(Arm("adamw", 0, False), settings, Path("RUN")).command()[1:])
     how = [
-        f"- `{command}` (from the repository root) at git revision `{revision}`: trained "
-        f"{', '.join(a.name for a in todo) or 'nothing'} in {total:.0f} s, {args.parallel} at a time; 1-minute load "
-        f"average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores, shared with other work)",
+        invocation,
         f"  - each run: `python {every_run}`, with the arm's `optimizer.lr`, `optimizer.name`, "
         "`training.gradient_delay`, `optimizer.error_feedback.enabled` and `debug.seed` (Muon arms also "
         f"`optimizer.muon.adamw_lr`), and LOCAL_WORLD_SIZE={args.parallel} in its environment "
@@ -538,7 +477,7 @@ def tune(args: argparse.Namespace, settings: Settings) -> None:
     (optimizer, lr, muon_adamw_lr, final validation loss, command) to `out`/tuning.csv."""
     jobs = [(Arm("adamw", 0, False), replace(settings, adamw_lr=lr), args.runs_dir / "tune" / f"adamw-lr{lr:g}") for lr in args.tune_adamw]
     jobs += [(Arm("muon", 0, False), replace(settings, muon_lr=lr), args.runs_dir / "tune" / f"muon-lr{lr:g}") for lr in args.tune_muon]
-    run_arms(jobs, args.parallel)
+    run_jobs([job(*j) for j in jobs], args.parallel)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "tuning.csv"
     new = not path.is_file()

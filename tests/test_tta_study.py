@@ -1,0 +1,47 @@
+"""tools/tta_study.py end to end on two tiny pipeline arms: its runs, table and JSON, whose times to
+target are `titan-async compare`'s."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, TINY, fresh_environment
+from titan_async.compare import compare
+
+
+def test_tta_study_trains_two_arms_and_tabulates_compares_time_to_target(tmp_path):
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    command = [sys.executable, "tools/tta_study.py", "--schedules", "1F1B,PipeDream2BW", "--optimizers", "adamw",
+               "--seeds", "0", "--baseline", "1F1B:adamw", "--steps", "4", "--validation-freq", "2",
+               "--runs-dir", str(runs), "--out", str(out)]
+    for setting in TINY:
+        command += ["--set", setting]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900, env=fresh_environment())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    baseline, streaming = runs / "1F1B-adamw-seed0", runs / "PipeDream2BW-adamw-seed0"
+    _, expected = compare([baseline, streaming])
+    recorded = json.loads((out / "results.json").read_text())
+    assert recorded["per_seed"]["0"] == json.loads(json.dumps(expected))
+    base, other = expected["runs"]
+    assert base["speedup"] == pytest.approx(1.0) and base["steps_to_target"] <= 4
+
+    table = {row["arm"]: row for row in recorded["table"]}
+    assert sorted(table) == ["1F1B-adamw", "PipeDream2BW-adamw"]
+    assert table["PipeDream2BW-adamw"]["mean_speedup"] == other["speedup"]
+    assert table["PipeDream2BW-adamw"]["reached"] == ("1/1" if other["speedup"] is not None else "0/1")
+    with open(out / "table.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["arm"], r["seed"]) for r in rows] == [("1F1B-adamw", "0"), ("PipeDream2BW-adamw", "0")]
+    assert float(rows[0]["time_to_target_s"]) == pytest.approx(base["time_to_target_s"], abs=1e-4)
+
+    readme = (out / "README.md").read_text()
+    assert f"| 1F1B-adamw | {base['time_to_target_s']:.1f} | 1/1 | 1.00x |" in readme
+    assert "tools/tta_study.py --schedules 1F1B,PipeDream2BW" in readme and "git revision" in readme and "load average" in readme
+    assert sorted(p.name for p in (out / "configs").iterdir()) == ["1F1B-adamw-seed0.toml", "PipeDream2BW-adamw-seed0.toml"]
+    assert len(list(out.glob("*.png"))) == 6

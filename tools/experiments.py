@@ -1,0 +1,99 @@
+"""Launching and recording the training runs of a study (tools/staleness_study.py, tools/tta_study.py).
+
+A study describes each run as a `Job` (a `titan-async train` command line and its run directory);
+`run_jobs` trains them, a few at a time, each with its console output in RUN.log, and
+`describe_invocation` records how: the command, the git revision and the machine's load.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STOPPED_BY_SIGNAL = 130
+"""titan-async's exit status after a SIGTERM: it stopped every rank at the same step."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One training run: `titan-async train --config CONFIG --run-dir RUN_DIR --overwrite --set ...`."""
+
+    name: str
+    run_dir: Path
+    config: str
+    settings: list[str]
+    extra_args: list[str] = field(default_factory=list)
+
+    def command(self) -> list[str]:
+        command = [sys.executable, "-m", "titan_async.cli", "train", "--config", self.config, "--run-dir", str(self.run_dir),
+                   "--overwrite", *self.extra_args]
+        for setting in self.settings:
+            command += ["--set", setting]
+        return command
+
+
+def run_job(job: Job, sharing: int = 1, budget_s: float | None = None) -> float:
+    """Train `job` into its run directory (replacing an earlier run there); return wall seconds.
+    `sharing` runs share the machine at once: each is told so through LOCAL_WORLD_SIZE, from which
+    titan-async sizes its intra-op thread pool (cores // LOCAL_WORLD_SIZE) in a one-process run.
+    After `budget_s` seconds the run gets a SIGTERM and stops at the next step, which keeps what it
+    logged. Console output goes to RUN_DIR.log; raises RuntimeError with its tail on failure."""
+    if job.run_dir.exists():
+        shutil.rmtree(job.run_dir)
+    job.run_dir.mkdir(parents=True)
+    log_file = job.run_dir.with_suffix(".log")
+    env = {**os.environ, "LOCAL_WORLD_SIZE": str(sharing)}
+    start = time.perf_counter()
+    with open(log_file, "w") as log:
+        process = subprocess.Popen(job.command(), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            status, allowed = process.wait(timeout=budget_s), {0}
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGTERM)
+            status, allowed = process.wait(), {0, STOPPED_BY_SIGNAL}
+    if status not in allowed:
+        tail = "\n".join(log_file.read_text().splitlines()[-20:])
+        raise RuntimeError(f"{job.name} failed with exit status {status} (log: {log_file}):\n{tail}")
+    return time.perf_counter() - start
+
+
+def run_jobs(jobs: list[Job], parallel: int = 1, budget_s: float | None = None) -> list[float]:
+    """Run the jobs, `parallel` at a time in list order; wall seconds of each, in the same order."""
+
+    def one(job: Job) -> float:
+        wall = run_job(job, parallel, budget_s)
+        print(f"  {job.name}: {wall:.0f} s, load average {os.getloadavg()[0]:.1f}", flush=True)
+        return wall
+
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        return list(pool.map(one, jobs))
+
+
+def git_state() -> str:
+    """`git rev-parse HEAD`, plus the tracked files with uncommitted changes, if any."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, check=True)
+    dirty = [line[3:] for line in status.stdout.splitlines()]
+    return head + (f" with uncommitted changes to: {', '.join(dirty)}" if dirty else "")
+
+
+def run_recorded(script: str, argv: list[str], jobs: list[Job], parallel: int = 1, budget_s: float | None = None) -> tuple[list[float], str]:
+    """`run_jobs`, and a markdown line recording the invocation: `script ARGV`, the git revision,
+    what it trained in how long, and the 1-minute load average before and after."""
+    revision, load_before, start = git_state(), os.getloadavg(), time.perf_counter()
+    walls = run_jobs(jobs, parallel, budget_s)
+    command = shlex.join([".venv/bin/python", script, *argv])
+    line = (f"- `{command}` (from the repository root) at git revision `{revision}`: trained "
+            f"{', '.join(job.name for job in jobs) or 'nothing'} in {time.perf_counter() - start:.0f} s, {parallel} at a time; "
+            f"1-minute load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after "
+            f"({os.cpu_count()} cores, shared with other work)")
+    return walls, line
