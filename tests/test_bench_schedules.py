@@ -35,7 +35,7 @@ def number(cell: str) -> float:
 
 def test_benchmark_runs_sync_zero_bubble_and_streaming_schedules_and_saves_the_table(tmp_path):
     command = [sys.executable, "tools/bench_schedules.py", "--stages", "2", "--microbatches", "2", "--microbatch-size", "1",
-               "--seq-len", "32", "--dim", "64", "--layers", "3", "--steps", "5", "--warmup", "1", "--reps", "2",
+               "--seq-len", "32", "--dim", "64", "--layers", "3", "--steps", "5", "--warmup", "1", "--reps", "1",
                "--schedules", "1F1B,ZBVZeroBubble,PipeDream2BW", "--out", str(tmp_path)]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900, env=fresh_environment())
     assert result.returncode == 0, result.stderr[-3000:]
