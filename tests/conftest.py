@@ -56,6 +56,16 @@ def run_cli(*args: str, check: bool = True, timeout: float = 600, env: dict | No
     return result
 
 
+def cli_in_process(capsys, *args: str) -> tuple[int, str, str]:
+    """Run `titan-async ARGS` in this process: (exit status, stdout, stderr)."""
+    from titan_async import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(list(args))
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
+
+
 def fresh_environment() -> dict[str, str]:
     """This process's environment without torch launcher variables, as a new shell would have it."""
     return {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}

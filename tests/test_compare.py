@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS, TINY, run_cli, sets
+from conftest import CONFIGS, TINY, cli_in_process, run_cli, sets
 from test_report import PNG_SIGNATURE, embedded_images
-from titan_async import cli
 from titan_async.compare import compare, time_to_target
 
 
@@ -33,11 +32,7 @@ def write_run(directory: Path, validations: dict[int, float], seconds_per_step: 
 
 
 def run_compare(capsys, *args: str) -> tuple[int, str, str]:
-    """`titan-async compare ARGS` in-process: (exit status, stdout, stderr)."""
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["compare", *args])
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
+    return cli_in_process(capsys, "compare", *args)
 
 
 def test_time_to_target_interpolates_between_validations():

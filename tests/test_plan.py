@@ -9,8 +9,7 @@ import pytest
 import torch
 from torchtitan.distributed.activation_checkpoint import FullAC
 
-from conftest import CONFIGS, sets
-from titan_async import cli
+from conftest import CONFIGS, cli_in_process, sets
 from titan_async.config.run_config import build_run_config, load_run_config
 from titan_async.plan import build_meta_model
 from titan_async.plan_memory import Setup, block_activation_bytes, bubble, compare_schedules, held_microbatches, parse_size
@@ -33,11 +32,7 @@ def cluster_of(path: Path) -> tuple[int, int]:
 
 
 def plan(capsys, *args: str) -> tuple[int, str, str]:
-    """Run `titan-async plan ARGS` in-process: (exit status, stdout, stderr)."""
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["plan", *args])
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
+    return cli_in_process(capsys, "plan", *args)
 
 
 def plan_json(capsys, path: Path) -> dict:

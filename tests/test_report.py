@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from matplotlib.figure import Figure
 
-from conftest import CONFIGS, TINY, metrics, run_cli, sets
-from titan_async import cli, run_dir as runs
+from conftest import CONFIGS, TINY, cli_in_process, metrics, run_cli, sets
+from titan_async import run_dir as runs
 from titan_async.report import write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -29,11 +29,7 @@ def finished_run(tmp_path_factory) -> Path:
 
 
 def report(capsys, *args: str) -> tuple[int, str, str]:
-    """Run `titan-async report ARGS` in-process: (exit status, stdout, stderr)."""
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["report", *args])
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
+    return cli_in_process(capsys, "report", *args)
 
 
 def embedded_images(page: str) -> list[bytes]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import nccl_model
-from conftest import CONFIGS, TINY, checkpoint_weights, losses, metrics, run_cli, sets
+from conftest import CONFIGS, TINY, checkpoint_weights, cli_in_process, losses, metrics, run_cli, sets
 from titan_async.pipeline.actions import drain_actions, pipeline_order, window_actions
 
 
@@ -111,11 +111,8 @@ def test_2bw_equals_delayed_gradient_reference(tmp_path, capsys, delayed_referen
 
 def assert_plan_bounds_transport(capsys, run, stages: int) -> None:
     """`plan` of the run's own config shows at least the point-to-point buffers the run held."""
-    from titan_async import cli
-
-    with pytest.raises(SystemExit):
-        cli.main(["plan", "--config", str(run / "config.toml"), "--gpus-per-node", str(stages), "--json"])
-    planned = json.loads(capsys.readouterr().out)["ranks"]
+    _, out, _ = cli_in_process(capsys, "plan", "--config", str(run / "config.toml"), "--gpus-per-node", str(stages), "--json")
+    planned = json.loads(out)["ranks"]
     for rank, records in nccl_model.read_logs(run / "comm").items():
         measured = nccl_model.live_bytes(records)
         assert 0 < measured <= planned[rank]["memory"]["p2p_buffers"], (rank, measured, planned[rank]["memory"])
