@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The GPU checklist on a machine with one CUDA GPU, run from the repository root:
+#
+#   bash tools/gpu/run.sh [probe] [ns] [tests] [1b]      (no argument: all four, in that order)
+#
+# probe: GPU, Python and package versions; ns: Muon's Newton-Schulz times for the 10B shapes;
+# tests: tests/test_cuda.py; 1b: tokens/s and memory of the 1B config, bf16 against float8.
+# Packages the machine lacks are installed from the wheels in .whl/ (see docs/results/gpu/README.md)
+# into /tmp/site; tools/gpu/shim supplies the torch 2.15 names torchtitan 0.3.0 imports when the
+# machine's torch is older. Results and logs go to $OUT (default: docs/results/gpu/raw).
+# Environment: TESTS (pytest arguments, default tests/test_cuda.py), PYTEST_WORKERS (default 5), TESTS_TIMEOUT (default 420 s),
+# BENCH_1B_ARGS (extra arguments of bench_1b.py), CALL_LIMIT (seconds this script may take in all:
+# the tests and the 1B runs are cut to fit, and no 1B variant starts with less than MIN_1B_S, default
+# 150 s, left).
+set -o pipefail
+OUT=${OUT:-docs/results/gpu/raw}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=.:/tmp/site:tools/gpu/shim PYTHONUNBUFFERED=1
+LIMIT=${CALL_LIMIT:-100000}
+left() { echo $(( LIMIT - SECONDS - 10 )); }
+
+probe() {
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+    python3 --version
+    python3 - <<'EOF'
+import importlib.metadata as md
+import torch
+import torchao, torchtitan, titan_async  # noqa: F401
+print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+for name in ("torchao", "torchtitan", "triton", "transformers", "datasets", "tokenizers", "huggingface_hub", "fsspec", "pytest", "pytest-xdist"):
+    try:
+        print(name, md.version(name))
+    except md.PackageNotFoundError:
+        print(name, "missing")
+import torch.distributed as dist
+print("torch.distributed.set_timeout is", dist.set_timeout.__qualname__)
+EOF
+}
+
+ns() {
+    timeout 240 python3 tools/gpu/bench_newton_schulz.py --config train_configs/10b_2bw_muon.toml --float32-reps 5 --out "$OUT/ns_10b.json"
+}
+
+tests() {
+    local cap=${TESTS_TIMEOUT:-420}
+    timeout $(( $(left) < cap ? $(left) : cap )) python3 -m pytest -v -rs -p no:cacheprovider --durations=0 -n "${PYTEST_WORKERS:-5}" ${TESTS:-tests/test_cuda.py} 2>&1 | tee "$OUT/tests.txt"
+}
+
+bench_1b() {
+    local seconds=$(left)
+    timeout "$seconds" python3 tools/gpu/bench_1b.py --out "$OUT" --deadline $(( seconds - ${MIN_1B_S:-150} )) $BENCH_1B_ARGS
+}
+
+status=0
+for step in "${@:-probe ns tests 1b}"; do
+    for part in $step; do
+        echo "=== $part ($(date +%T))"
+        case $part in
+            probe) probe ;;
+            ns) ns ;;
+            tests) tests ;;
+            1b) bench_1b ;;
+            *) echo "unknown part: $part"; exit 2 ;;
+        esac || status=1
+    done
+done
+exit $status
