@@ -44,10 +44,11 @@ def run_pipeline(tmp_path: Path, schedule: str, stages: int, optimizer: str, acc
     return {s: torch.load(out / f"stage{s}.pt") for s in range(stages)}, comm
 
 
-def run_emulation(tmp_path: Path, schedule: str, stages: int, optimizer: str, accumulation: int, device: str):
-    """Train every stage of the toy pipeline in one process under one-rank FSDP2 on `device`."""
+def run_emulation(tmp_path: Path, schedule: str, stages: int, optimizer: str, accumulation: int, device: str, fsdp: str):
+    """Train every stage of the toy pipeline in one process under one-rank FSDP2 on `device`
+    ("reshard" or "hold": the worker's FSDP modes)."""
     out = tmp_path / "out"
-    run_worker([sys.executable, str(WORKER), "emulate", schedule, optimizer, str(accumulation), str(stages), device, str(out)],
+    run_worker([sys.executable, str(WORKER), "emulate", schedule, optimizer, str(accumulation), str(stages), device, fsdp, str(out)],
                {"MASTER_PORT": str(free_port())})
     return {s: torch.load(out / f"stage{s}.pt") for s in range(stages)}
 
@@ -207,11 +208,13 @@ def test_paci_pipeline_follows_its_per_stage_rule(tmp_path, stages, optimizer, a
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))]
 
 
+@pytest.mark.parametrize("fsdp", ["reshard", "hold"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("schedule", ["PipeDream2BW", "PACI"])
-def test_emulation_under_fsdp_follows_the_rules(tmp_path, schedule, device):
+def test_emulation_under_fsdp_follows_the_rules(tmp_path, schedule, device, fsdp):
     """Version switches and local steps write FSDP2 shards between a forward and a backward; on
-    CUDA the backward's all-gather runs on FSDP's own streams, which must see those writes."""
-    emulated = run_emulation(tmp_path, schedule, 4, "adamw", 2, device)
+    CUDA the backward's all-gather runs on FSDP's own streams, which must see those writes. Held
+    gathered, 2BW switches between two gathered versions and gradients are reduced once per update."""
+    emulated = run_emulation(tmp_path, schedule, 4, "adamw", 2, device, fsdp)
     reference = two_bw_reference(4, "adamw") if schedule == "PipeDream2BW" else paci_reference(4, "adamw", 2)
     assert mismatch(emulated, *reference) < 1e-6

@@ -91,6 +91,19 @@ def test_ten_b_dry_run_builds_each_ranks_streaming_action_list(capsys):
     assert first["action_counts"] == {"F": 2 * m, "B": 2 * m}
 
 
+def test_ten_b_plan_predicts_fsdp_communication_per_step_for_every_schedule(capsys):
+    """One gather of the stage (bfloat16) and one reduction (float32) per step for torch's schedules
+    and the streaming ones alike; PACI's local steps (one per step at the default accumulation)."""
+    result = plan_json(capsys, TEN_B)
+    rows = {row["name"]: row for row in result["communication"]}
+    assert set(rows) == {s["name"] for s in result["schedules"]}
+    for row in rows.values():
+        assert len(row["ranks"]) == 8
+        for rank, moved in zip(result["ranks"], row["ranks"]):
+            assert moved == {"all_gather": 2 * rank["parameters"], "reduce_scatter": 4 * rank["parameters"]}
+    assert rows["PipeDream2BW"]["selected"]
+
+
 def test_ten_b_streaming_schedules_have_no_bubble_and_beat_1f1b(capsys):
     schedules = {s["name"]: s for s in plan_json(capsys, TEN_B)["schedules"]}
     assert schedules["PipeDream2BW"]["selected"] and schedules["PipeDream2BW"]["bubble"] == 0
@@ -113,10 +126,11 @@ def test_tied_weights_are_counted_once_as_training_ties_them(capsys):
     assert code == 0 and rank["local_parameters"] == result["model"]["parameters"] and rank["ratio"] == pytest.approx(1, rel=1e-3)
 
 
-def test_text_output_has_the_memory_schedule_and_dry_run_tables(capsys):
-    code, out, err = plan(capsys, "--config", "debug_cpu_pp2_2bw", "--gpus-per-node", "2")
+def test_text_output_has_the_memory_schedule_communication_and_dry_run_tables(capsys):
+    code, out, err = plan(capsys, "--config", "debug_cpu_pp2_2bw", "--gpus-per-node", "4", *sets("parallelism.data_parallel_shard_degree=2"))
     assert code == 0 and not err
-    for text in ("Memory per GPU", "Schedules (p = 2 stages, m = 4 microbatches", "Dry run", "estimates only", "rank 1 actions"):
+    for text in ("Memory per GPU", "Schedules (p = 2 stages, m = 4 microbatches", "FSDP communication per step", "Dry run",
+                 "estimates only", "rank 2 actions"):
         assert text in out
 
 
@@ -203,6 +217,7 @@ def test_block_activation_formula_matches_what_autograd_saves(mode):
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     measured = sum(n for ptr, n in saved.items() if ptr not in weights)
     setup = Setup(dim=dim, kv_dim=kv_dim, ffn_dim=ffn_dim, vocab_size=512, tokens=seq, param_bytes=2, compute_bytes=2,
-                  reduce_bytes=4, weight_shards=1, fsdp=False, unsharded_for_step=False, version_copies=0,
+                  reduce_bytes=4, weight_shards=1, fsdp=False, fsdp_degree=1, unsharded_for_step=False, version_copies=0,
+                  gathered_versions=0,
                   optimizer="adamw", error_feedback=False, activation_checkpoint=mode)
     assert measured == pytest.approx(seq * block_activation_bytes(setup), rel=0.03)

@@ -42,7 +42,7 @@ from torchtitan.models.common import compute_ffn_hidden_dim
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.tools.utils import device_type, set_default_dtype
 
-from titan_async.config.assemble import ACTIVATION_CHECKPOINTS, parallelism_for, plain_parameters, tokenizer_vocab_size
+from titan_async.config.assemble import ACTIVATION_CHECKPOINTS, plain_parameters, tokenizer_vocab_size
 from titan_async.config.run_config import RunConfig
 from titan_async.errors import UserError
 from titan_async.model import build_model_spec
@@ -55,12 +55,15 @@ from titan_async.pipeline.schedules import (
     register as register_schedules,
     streaming_schedule,
 )
-from titan_async.pipeline.versions import TwoVersions
+from titan_async.pipeline.fsdp_stage import FsdpStage
+from titan_async.pipeline.versions import two_versions
 from titan_async.plan_memory import (
+    COMPARED_SCHEDULES,
     STATE_COMPONENTS,
     Setup,
     StageShape,
     compare_schedules,
+    fsdp_traffic_bytes,
     gib,
     held_microbatches,
     parse_size,
@@ -272,8 +275,10 @@ def make_setup(run: RunConfig, layout: Layout, vocab: int) -> Setup:
         reduce_bytes=TORCH_DTYPE_MAP[t.mixed_precision_reduce].itemsize,
         weight_shards=layout.fsdp * split if layout.fsdp_applied else 1,
         fsdp=layout.fsdp_applied,
-        unsharded_for_step=layout.pp > 1 and not layout.streaming,
-        version_copies=(2 if layout.fsdp_applied else 1) if layout.two_versions else 0,
+        fsdp_degree=layout.fsdp,
+        unsharded_for_step=layout.pp > 1,
+        version_copies=int(layout.two_versions),
+        gathered_versions=int(layout.two_versions and layout.fsdp_applied and layout.pp > 1),
         optimizer=run.optimizer.name,
         error_feedback=run.optimizer.error_feedback.enabled,
         activation_checkpoint=run.activation_checkpoint.mode,
@@ -312,6 +317,21 @@ def estimate_ranks(layout: Layout, shapes: list[StageShape], setup: Setup, clust
     return rows
 
 
+def communication(layout: Layout, shapes: list[StageShape], setup: Setup, accumulation: int | None) -> list[dict[str, Any]]:
+    """FSDP bytes per steady-state step of every pipeline rank, for each schedule `plan` compares
+    (`fsdp_traffic_bytes`; each rank keeps this config's stages); empty without a pipeline or
+    without FSDP collectives."""
+    if layout.pp < 2 or not setup.fsdp or setup.fsdp_degree < 2:
+        return []
+    rows = []
+    for name in COMPARED_SCHEDULES:
+        ranks = [fsdp_traffic_bytes(name, [shapes[i] for i in indices], setup, layout.microbatches, accumulation)
+                 for indices in layout.rank_stages]
+        busiest = max(ranks, key=lambda r: r["all_gather"] + r["reduce_scatter"])
+        rows.append({"name": name, "ranks": ranks, "busiest": busiest, "selected": name.lower() == layout.schedule.lower()})
+    return rows
+
+
 def _local_bytes(tensor: torch.Tensor) -> int:
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return local.numel() * local.element_size()
@@ -325,7 +345,7 @@ def _build_rank(run: RunConfig, model: MetaModel, world: int) -> tuple[list[torc
     """This (fake) rank's model parts, pipeline schedule (None without PP) and pipeline rank, on meta,
     parallelized and initialized as the trainer does (initializing re-ties tied weights)."""
     spec = model.spec
-    parallelism = parallelism_for(run, world)
+    parallelism = run.parallelism
     parallel_dims = ParallelDims.from_config(parallelism, world)
     checkpointing = ACTIVATION_CHECKPOINTS[run.activation_checkpoint.mode]
     common = dict(
@@ -357,10 +377,9 @@ def _allocated_state(run: RunConfig, layout: Layout, parts: list[torch.nn.Module
     allocated = dict.fromkeys(STATE_COMPONENTS, 0)
     allocated["weights"] = sum(_local_bytes(p) for p in params)
     if layout.two_versions:
-        versions = TwoVersions(params, layout.microbatches)
-        versions.activate(1)  # both versions exist from the first switch on
-        copies = versions.buffers if versions.in_place else versions.buffers[1:]
-        allocated["weight_versions"] = sum(_local_bytes(t) for buffer in copies for t in buffer)
+        for part in parts:
+            versions = two_versions(part, layout.microbatches, FsdpStage.of(part))
+            allocated["weight_versions"] += sum(_local_bytes(t) for t in versions.copies())
     # Fused kernels refuse meta tensors; the foreach implementation keeps the same state.
     section = dataclasses.replace(run.optimizer, implementation="foreach")
     optimizers = section.container_config().build(model_parts=parts)
@@ -450,7 +469,8 @@ def make_plan(run: RunConfig, cluster: Cluster) -> dict[str, Any]:
     model = build_meta_model(run, vocab, fsdp=not plain_parameters(run, cluster.world_size))
     layout = make_layout(run, cluster, model.spec.model)
     setup = make_setup(run, layout, vocab)
-    rows = estimate_ranks(layout, stage_shapes(model.module, layout.stage_modules), setup, cluster)
+    shapes = stage_shapes(model.module, layout.stage_modules)
+    rows = estimate_ranks(layout, shapes, setup, cluster)
     for row in rows:
         if not row["fits"]:
             first, last = row["gpus"]
@@ -499,6 +519,7 @@ def make_plan(run: RunConfig, cluster: Cluster) -> dict[str, Any]:
         "peak_bytes": max(row["memory"]["total"] for row in rows),
         "fits": all(row["fits"] for row in rows),
         "schedules": schedules,
+        "communication": communication(layout, shapes, setup, run.parallelism.paci.accumulation),
         "dry_run": {"ranks": dry_run(run, layout, model, cluster.world_size, rows), "note": ESTIMATE_ONLY_NOTE},
         "warnings": warnings,
     }
@@ -583,6 +604,21 @@ def _schedule_table(plan: dict[str, Any]) -> Table:
     )
 
 
+def _communication_table(plan: dict[str, Any]) -> Table:
+    def total(row: dict[str, Any]) -> float:
+        return row["busiest"]["all_gather"] + row["busiest"]["reduce_scatter"]
+
+    rows = plan["communication"]
+    baseline = next(total(r) for r in rows if r["name"] == "1F1B")
+    return Table(
+        "FSDP communication per step, busiest rank (GB; steady state, titan_async.plan_memory.fsdp_traffic_bytes)",
+        ["schedule", "all-gather", "reduce-scatter", "total", "vs 1F1B", ""],
+        [[r["name"], f"{r['busiest']['all_gather'] / 1e9:.2f}", f"{r['busiest']['reduce_scatter'] / 1e9:.2f}",
+          f"{total(r) / 1e9:.2f}", f"{total(r) / baseline:.2f}x",
+          "<- this config" if r["selected"] else ""] for r in rows],
+    )
+
+
 def _dry_run_table(plan: dict[str, Any]) -> Table:
     table = Table(
         f"Dry run: {plan['world_size']} ranks on a fake process group, meta device (GiB; {plan['dry_run']['note']})",
@@ -649,7 +685,8 @@ def print_plan(plan: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps(plan))
         return
-    tables = [_memory_table(plan), _schedule_table(plan), _dry_run_table(plan)]
+    tables = [_memory_table(plan), _schedule_table(plan), *([_communication_table(plan)] if plan["communication"] else []),
+              _dry_run_table(plan)]
     if sys.stdout.isatty():
         _print_rich(_header(plan), tables)
     else:

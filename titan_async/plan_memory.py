@@ -5,19 +5,20 @@ Per GPU, every pipeline rank's memory is the sum of these components (bytes):
 - weights: the rank's stage parameters / weight shards (FSDP x CP, and TP approximately),
   in the parameter dtype (training.dtype).
 - weight_versions: PipeDream2BW (and gradient_delay = 1) keeps a second weight version:
-  one more copy of the local weights for plain parameters (the live storage is the other
-  version), two side copies under FSDP2 (whose own shard storage holds the active one).
+  one more copy of the local weights (for plain parameters the other buffer, under FSDP2 a
+  side shard beside FSDP's own).
 - gradients: the sharded gradient, parameter dtype.
 - optimizer: AdamW keeps 2 moments per parameter; Muon 1 momentum buffer per hidden
   matrix and AdamW's 2 moments for everything else; parameter dtype.
 - error_feedback: one update-sized buffer per parameter when enabled.
 - fsdp_buffers: FSDP2's unsharded parameters (compute dtype) and unsharded gradients
-  (reduce dtype). Under torch's pipeline schedules the stages disable gradient sync and
-  resharding until the last backward of a step, so every unit of the stage stays
-  unsharded and its gradient accumulates unsharded for the whole step: stage parameters
-  x (compute + reduce bytes). Otherwise (no PP, or the streaming schedules, which
-  reshard after every forward and reduce after every backward): the largest unit
-  gathered twice (current and prefetched) plus its unsharded gradient.
+  (reduce dtype). On a pipeline every unit of a stage stays unsharded and its gradient
+  accumulates unsharded between reductions (torch's schedules disable gradient sync and
+  resharding until the last backward of a step; the streaming stages hold their units
+  gathered, titan_async.pipeline.fsdp_stage): stage parameters x (compute + reduce bytes),
+  and PipeDream2BW keeps its other version gathered too (+ stage parameters x compute
+  bytes). Without PP: the largest unit gathered twice (current and prefetched) plus its
+  unsharded gradient.
 - p2p_buffers: the streaming schedules' transport (titan_async.pipeline.transport): per
   direction of each edge at most w + 1 = p - rank receives posted ahead and as many sends
   outstanding, each one microbatch's stage-boundary tensor (tokens x dim, compute dtype).
@@ -89,10 +90,13 @@ class Setup:
     reduce_bytes: int
     weight_shards: int
     fsdp: bool
+    fsdp_degree: int
     unsharded_for_step: bool
-    """FSDP units stay unsharded from the first forward to the last backward of a step."""
+    """FSDP units stay unsharded across the actions of a step (pipeline schedules)."""
     version_copies: int
-    """Extra copies of the local weights the weight-version policy keeps (0, 1 or 2)."""
+    """Extra copies of the local weights the weight-version policy keeps (0 or 1)."""
+    gathered_versions: int
+    """Extra gathered copies of the stage weights (1: PipeDream2BW under FSDP2 on a pipeline)."""
     optimizer: Literal["adamw", "muon"]
     error_feedback: bool
     activation_checkpoint: Literal["none", "selective", "full"]
@@ -120,7 +124,7 @@ def fsdp_buffer_bytes(stages: list[StageShape], setup: Setup) -> float:
     if not setup.fsdp:
         return 0.0
     if setup.unsharded_for_step:
-        return sum(s.params for s in stages) * (setup.compute_bytes + setup.reduce_bytes)
+        return sum(s.params for s in stages) * ((1 + setup.gathered_versions) * setup.compute_bytes + setup.reduce_bytes)
     largest = max(s.largest_unit for s in stages)
     return largest * (2 * setup.compute_bytes + setup.reduce_bytes)
 
@@ -206,6 +210,24 @@ def rank_memory(stages: list[StageShape], held: list[float], setup: Setup, trans
     memory["activations"] += transient_activation_bytes(stages, setup)
     memory["total"] = sum(memory[key] for key in COMPONENTS)
     return memory
+
+
+def fsdp_traffic_bytes(schedule: str, stages: list[StageShape], setup: Setup, microbatches: int,
+                       accumulation: int | None = None) -> dict[str, float]:
+    """Bytes one rank of a pipeline stage all-gathers and reduce-scatters per steady-state step
+    (titan_async.fsdp_traffic counts the same): each gather moves the rank's stage parameters
+    in the compute dtype, each reduction their gradients in the reduce dtype.
+
+    torch's schedules gather once per step (the stages reshard after their last backward) and
+    reduce once; PipeDream2BW gathers each version once (its other version stays gathered) and
+    reduces once per batch; PACI re-gathers after each of its m / a local steps and reduces
+    before each. Drains for checkpoints and validation may add one gather of the latest 2BW
+    version."""
+    if not setup.fsdp or setup.fsdp_degree < 2:
+        return {"all_gather": 0.0, "reduce_scatter": 0.0}
+    params = sum(s.params for s in stages)
+    rounds = microbatches / (accumulation or microbatches) if schedule.lower() == "paci" else 1
+    return {"all_gather": rounds * params * setup.compute_bytes, "reduce_scatter": rounds * params * setup.reduce_bytes}
 
 
 def bubble(schedule: str, stages: int, microbatches: int) -> float:

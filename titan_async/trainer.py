@@ -30,18 +30,19 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from titan_async.fsdp_traffic import count_fsdp_traffic
 from titan_async.health import HealthGuard, HealthSection
 from titan_async.init import canonical_name, reinitialize_by_name
 from titan_async.optim import write_param_group_table
 from titan_async.pipeline.config import microbatches
 from titan_async.pipeline.emulation import stage_modules, stage_view
 from titan_async.pipeline.executor import Microbatch, StageExecutor
-from titan_async.pipeline.fsdp_streams import param_write_fence
+from titan_async.pipeline.fsdp_stage import FsdpStage
 from titan_async.pipeline.schedules import StreamingSchedule
 from titan_async.pipeline.stream import StreamEngine
 from titan_async.pipeline.trace import Timeline
 from titan_async.pipeline.transport import LocalTransport
-from titan_async.pipeline.versions import TwoVersions, make_policy
+from titan_async.pipeline.versions import OneStepDelay, make_policy, two_versions
 
 
 def _names(model: torch.nn.Module) -> list[str]:
@@ -148,8 +149,9 @@ class AsyncTrainer(Trainer):
         self.stop_reason: str | None = None
         self.health = HealthGuard(config.health)
         self.stage_grad_norms: dict[int, torch.Tensor] = {}
+        self.fsdp_traffic = count_fsdp_traffic(self.model_parts)
         self.stream: StreamEngine | None = None
-        self.delay: TwoVersions | None = None
+        self.delay: OneStepDelay | None = None
         self.timeline = None
         policies = self._attach_weight_policies()
         if policies and self.checkpointer.enable:
@@ -173,7 +175,7 @@ class AsyncTrainer(Trainer):
             return self._emulate_stages()
         if config.training.gradient_delay:
             model = self.model_parts[0]
-            self.delay = TwoVersions(list(model.parameters()), microbatches=1, fence=param_write_fence(model))
+            self.delay = two_versions(model, 1, FsdpStage.of(model))
             return {0: (self.delay, _names(model))}
         return {}
 
@@ -334,13 +336,14 @@ class AsyncTrainer(Trainer):
         """Empty the stream; with two versions, expose the latest (W[step]) for saving and validation."""
         self.stream.drain()
         for executor in self.stream.executors:
-            if isinstance(executor.policy, TwoVersions):
+            if isinstance(executor.policy, OneStepDelay):
                 executor.policy.activate(self.step + 1)
 
     def _record_rank_step(self) -> None:
         """This rank's pipeline scalars for the step (end time, step time, peak memory; with a
         streaming schedule the bubble, the staleness of the applied gradient and the memory of
-        weight versions beyond the live weights; the error-feedback correction norm): appended
+        weight versions beyond the live weights (shards, and gathered under FSDP); with FSDP the
+        bytes all-gathered and reduce-scattered; the error-feedback correction norm): appended
         to <run-dir>/pipeline/rank<R>.jsonl and written to TensorBoard under tb/pipeline/rank<R>,
         since metrics.jsonl only holds the reporting rank's view."""
         now, rank = time.time(), dist.get_rank()
@@ -355,6 +358,9 @@ class AsyncTrainer(Trainer):
             record["bubble"] = self.timeline.last_bubble if self.timeline else None
             record["staleness"] = self._staleness()
             record["weight_versions_gib"] = sum(e.policy.extra_bytes() for e in self.stream.executors) / 2**30
+            record["gathered_versions_gib"] = sum(e.policy.gathered_copy_bytes() for e in self.stream.executors) / 2**30
+        if self.fsdp_traffic is not None:
+            record.update(self.fsdp_traffic.take())
         correction = getattr(self.optimizers, "error_feedback_norm", lambda: None)()
         if correction is not None:
             record["ef_correction_norm"] = float(correction)
@@ -378,7 +384,7 @@ class AsyncTrainer(Trainer):
         crossed = [n for e in self.stream.executors for n in e.crossed]
         for executor in self.stream.executors:
             executor.crossed.clear()
-        if isinstance(self.stream.executors[0].policy, TwoVersions):
+        if isinstance(self.stream.executors[0].policy, OneStepDelay):
             return 1.0
         return sum(crossed) / len(crossed) if crossed else 0.0
 

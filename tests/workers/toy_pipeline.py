@@ -4,9 +4,13 @@
 one stage per rank over the point-to-point transport. VARIANT "stale" applies 2BW's update
 to the stale version (W[k+1] = W[k-1] - Opt(g)), a wrong rule the references must reject.
 
-`toy_pipeline.py emulate SCHEDULE OPTIMIZER ACCUMULATION STAGES DEVICE OUT` in one process:
+`toy_pipeline.py emulate SCHEDULE OPTIMIZER ACCUMULATION STAGES DEVICE FSDP OUT` in one process:
 every stage here (the single-process emulation), each layer and stage under FSDP2 on a
-one-rank mesh (NCCL on CUDA), so version switches and local steps write FSDP shards.
+one-rank mesh (NCCL on CUDA), so version switches and local steps write FSDP shards. FSDP
+"reshard": FSDP reshards after every forward and backward and reduces every backward (as
+configured); "hold": the stages hold their units gathered and reduce once per update, as
+the stages of a real pipeline do (`FsdpStage.hold_gathered`), so 2BW keeps both versions
+gathered.
 
 Both train the toy problem's batches (tests/toy_problem.py), drain after its DRAIN_AFTER
 windows and at the end, evaluate after each drain, and write OUT/stage<S>.pt: the stage's weights
@@ -30,7 +34,7 @@ from titan_async.pipeline.executor import Microbatch, StageExecutor  # noqa: E40
 from titan_async.pipeline.stream import StreamEngine  # noqa: E402
 from titan_async.pipeline.trace import Timeline  # noqa: E402
 from titan_async.pipeline.transport import LocalTransport, P2PTransport, edge_groups  # noqa: E402
-from titan_async.pipeline.versions import TwoVersions, make_policy, preserved_versions  # noqa: E402
+from titan_async.pipeline.versions import OneStepDelay, TwoVersions, make_policy, preserved_versions  # noqa: E402
 
 M = toy.M
 
@@ -62,7 +66,8 @@ def stale_apply_update(self, batch, optimizer_step):
     self.active = batch % 2
 
 
-def build_stage(stage: int, stages: int, module: torch.nn.Module, schedule: str, optimizer_name: str, accumulation: int, transport):
+def build_stage(stage: int, stages: int, module: torch.nn.Module, schedule: str, optimizer_name: str, accumulation: int, transport,
+                hold_gathered: bool = False):
     """(executor, optimizer step, recorded updates) of one stage."""
     params = list(module.parameters())
     optimizer = toy.optimizer(optimizer_name, params)
@@ -73,7 +78,7 @@ def build_stage(stage: int, stages: int, module: torch.nn.Module, schedule: str,
         optimizer.zero_grad()
         updates.append([(t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone() for t in params])
 
-    policy = make_policy(schedule, module, M, accumulation)
+    policy = make_policy(schedule, module, M, accumulation, hold_gathered)
     executor = StageExecutor(module, stage, stages, transport, policy, lambda out, target: toy.loss(out, target, M), Timeline(stage, False))
     return executor, optimizer_step, updates
 
@@ -91,7 +96,7 @@ def train(executors, steps, stages: int, device: torch.device) -> list[list[floa
         if t in toy.drains():
             engine.drain()
             for executor in executors:
-                if isinstance(executor.policy, TwoVersions):
+                if isinstance(executor.policy, OneStepDelay):
                     executor.policy.activate(t + 2)
                 ids = toy.evaluation_ids(t)
                 losses = executor.evaluate(batch(ids), {}, ids[0])
@@ -113,7 +118,7 @@ def pipeline(schedule: str, optimizer_name: str, accumulation: int, variant: str
     dist.destroy_process_group()
 
 
-def emulate(schedule: str, optimizer_name: str, accumulation: int, stages: int, device: torch.device, out: Path) -> None:
+def emulate(schedule: str, optimizer_name: str, accumulation: int, stages: int, device: torch.device, fsdp: str, out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -128,7 +133,8 @@ def emulate(schedule: str, optimizer_name: str, accumulation: int, stages: int, 
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh, reshard_after_forward=True)
         fully_shard(module, mesh=mesh, reshard_after_forward=True)
-        built.append(build_stage(stage, stages, module, schedule, optimizer_name, accumulation, LocalTransport(mailbox, stage)))
+        transport = LocalTransport(mailbox, stage)
+        built.append(build_stage(stage, stages, module, schedule, optimizer_name, accumulation, transport, fsdp == "hold"))
     evaluations = train([b[0] for b in built], {s: b[1] for s, b in enumerate(built)}, stages, device)
     for stage, (_, _, updates) in enumerate(built):
         torch.save({"updates": updates, "evaluations": evaluations if stage == stages - 1 else []}, out / f"stage{stage}.pt")
@@ -144,7 +150,7 @@ def main() -> None:
         pipeline(schedule, optimizer_name, int(accumulation), rest[0], out)
     else:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        emulate(schedule, optimizer_name, int(accumulation), int(rest[0]), torch.device(rest[1]), out)
+        emulate(schedule, optimizer_name, int(accumulation), int(rest[0]), torch.device(rest[1]), rest[2], out)
 
 
 if __name__ == "__main__":

@@ -61,14 +61,6 @@ def plain_parameters(run: RunConfig, world_size: int) -> bool:
     return _weight_versions(run) and run.data_parallel_degree(world_size) == 1
 
 
-def parallelism_for(run: RunConfig, world_size: int):
-    """Weight versions under FSDP reshard after every forward, so that no FSDP unit keeps an
-    all-gathered copy of another version: each forward and backward gathers the one it needs."""
-    if _weight_versions(run) and not plain_parameters(run, world_size):
-        return dataclasses.replace(run.parallelism, fsdp_reshard_after_forward="always")
-    return run.parallelism
-
-
 def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncTrainer.Config:
     """The AsyncTrainer config that trains `run` on `world_size` processes with its outputs under `run_dir`."""
     register_schedules()
@@ -99,7 +91,7 @@ def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncT
             optimizer=run.optimizer.container_config(),
             lr_scheduler=run.lr_scheduler,
             training=run.training,
-            parallelism=parallelism_for(run, world_size),
+            parallelism=run.parallelism,
             checkpoint=run.checkpoint,
             metrics=run.metrics,
             activation_checkpoint=activation_checkpoint() if activation_checkpoint else None,

@@ -39,7 +39,7 @@ class StreamingSchedule(PipelineScheduleSingle):
     def attach(self, *, optimizer_step: Callable[[], None], accumulation: int | None, keep_trace: bool) -> StreamEngine:
         """This rank's stream: its stage, the weight policy, P2P transport and timeline."""
         stage = self._stage
-        self.policy = make_policy(self.name, stage.submod, self._n_microbatches, accumulation)
+        self.policy = make_policy(self.name, stage.submod, self._n_microbatches, accumulation, hold_gathered=True)
         self.timeline = Timeline(dist.get_rank(), keep_trace, stage.device)
         groups = edge_groups(stage.group, stage.stage_index_to_group_rank, stage.device)
         self.transport = P2PTransport(groups, stage.stage_index, stage.num_stages, stage.device)

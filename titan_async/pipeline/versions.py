@@ -1,9 +1,9 @@
 """Weight-version policies: when a stage's optimizer steps and which weights each microbatch sees.
 
-- `TwoVersions` (PipeDream-2BW, and `training.gradient_delay = 1` without PP): batch t runs
-  forward and backward on version U_t; once batch b's gradient g_b is complete the stage
-  computes U_{b+2} = U_{b+1} - Opt(g_b) into the buffer batch b used. Net effect on every
-  stage: W[k+1] = W[k] - Opt(grad f_k(W[k-1])), W[-1] = W[0].
+- `TwoVersions` and `ShardedTwoVersions` (PipeDream-2BW, and `training.gradient_delay = 1`
+  without PP; plain and FSDP2 parameters): batch t runs forward and backward on version
+  U_t; once batch b's gradient g_b is complete the stage computes U_{b+2} = U_{b+1} - Opt(g_b)
+  in place of U_b. Net effect on every stage: W[k+1] = W[k] - Opt(grad f_k(W[k-1])), W[-1] = W[0].
 - `LocalAccumulation` (PACI): no stash; after every `a` local backwards the stage steps its
   optimizer in place, so a microbatch may see newer weights in its backward than in its forward.
 """
@@ -18,7 +18,7 @@ import torch
 from torch.autograd import _unsafe_preserve_version_counter
 from torch.distributed.tensor import DTensor
 
-from titan_async.pipeline.fsdp_streams import param_write_fence
+from titan_async.pipeline.fsdp_stage import FsdpStage
 
 
 @contextmanager
@@ -38,53 +38,20 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param._local_tensor if isinstance(param, DTensor) else param.data
 
 
-class TwoVersions:
-    """Two weight versions per parameter; batch t uses version t % 2 (see module docstring).
+class OneStepDelay:
+    """The batch bookkeeping both 2BW implementations share: batch t runs on version t, and
+    version b + 2 is computed from b + 1 once batch b's gradient is complete."""
 
-    Plain parameters switch versions by pointing `param.data` at the other buffer (no copy;
-    the live storage is one of the two buffers). FSDP2 parameters cannot: FSDP all-gathers
-    from its own shard storage, so their versions are copied into it (two side buffers, and
-    FSDP must reshard after forward so that every forward and backward re-gathers).
-    """
-
-    def __init__(self, params: list[torch.nn.Parameter], microbatches: int, fence: Callable[[], None] = lambda: None) -> None:
-        """`fence` is called after every write to the parameters' storage (`fsdp_streams`)."""
-        self.params = params
+    def __init__(self, microbatches: int) -> None:
         self.microbatches = microbatches
-        self.fence = fence
-        self.in_place = any(isinstance(p, DTensor) for p in params)
-        # Until the first update both versions are the live weights (W[-1] = W[0]); a version
-        # left None holds the live weights' values and is copied out when first needed, so
-        # weights loaded after construction (checkpoint.initial_load_path) become both versions.
-        self.buffers = [None if self.in_place else [_local(p) for p in params], None]
-        self.active = 0
         self.backwards = Counter()
         self.updates = 0
-
-    def _version(self, index: int) -> list[torch.Tensor]:
-        """Buffer `index`, copied from the live weights if it was left None (see __init__)."""
-        if self.buffers[index] is None:
-            self.buffers[index] = [_local(p).clone() for p in self.params]
-        return self.buffers[index]
-
-    def activate(self, batch: int) -> None:
-        """Make every parameter hold the version batch `batch` uses."""
-        index = batch % 2
-        if index == self.active:
-            return
-        self._version(self.active)
-        for param, tensor in zip(self.params, self._version(index)):
-            if self.in_place:
-                _local(param).copy_(tensor)
-            else:
-                param.data = tensor
-        self.active = index
-        self.fence()
 
     def before_forward(self, microbatch: int) -> None:
         self.activate(microbatch // self.microbatches)
 
-    before_backward = before_forward
+    def before_backward(self, microbatch: int) -> None:
+        self.activate(microbatch // self.microbatches)
 
     def after_backward(self, microbatch: int) -> int | None:
         """The batch whose gradient this backward completed, if it completed one."""
@@ -95,57 +62,206 @@ class TwoVersions:
         del self.backwards[batch]
         return batch
 
-    def apply_update(self, batch: int, optimizer_step: Callable[[], None]) -> None:
-        """U_{batch+2} = U_{batch+1} - Opt(g_batch), written into the buffer batch `batch` used."""
-        self._version(self.active)
-        target, source = self._version(batch % 2), self._version((batch + 1) % 2)
-        self.updates += 1
-        if self.in_place:
-            for param, tensor in zip(self.params, source):
-                _local(param).copy_(tensor)
-        else:
-            for tensor, latest in zip(target, source):
-                tensor.copy_(latest)
-            self.active = -1
-            self.activate(batch)
-        with preserved_versions(self.params):
-            optimizer_step()
-        if self.in_place:
-            for tensor, param in zip(target, self.params):
-                tensor.copy_(_local(param))
-        self.active = batch % 2
-        self.fence()
-
     def lr_steps_due(self) -> int:
         """Learning-rate steps owed so far: one per batch applied (counting the one being applied)."""
         return self.updates
 
+    def gathered_copy_bytes(self) -> int:
+        """Bytes of gathered (unsharded) weights kept beyond FSDP's own."""
+        return 0
+
+
+class TwoVersions(OneStepDelay):
+    """Two weight versions of plain parameters; batch t uses version t % 2 (module docstring).
+
+    Versions switch by pointing `param.data` at the other buffer (no copy; the live storage
+    is one of the two buffers)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], microbatches: int) -> None:
+        super().__init__(microbatches)
+        self.params = params
+        # Until the first update both versions are the live weights (W[-1] = W[0]); version 1
+        # is left None and copied from the live weights when first needed, so weights loaded
+        # after construction (checkpoint.initial_load_path) become both versions.
+        self.buffers = [[p.data for p in params], None]
+        self.active = 0
+
+    def _version(self, index: int) -> list[torch.Tensor]:
+        """Buffer `index`, copied from the live weights if it was left None (see __init__)."""
+        if self.buffers[index] is None:
+            self.buffers[index] = [p.data.clone() for p in self.params]
+        return self.buffers[index]
+
+    def activate(self, batch: int) -> None:
+        """Make every parameter hold the version batch `batch` uses."""
+        index = batch % 2
+        if index == self.active:
+            return
+        self._version(self.active)
+        for param, tensor in zip(self.params, self._version(index)):
+            param.data = tensor
+        self.active = index
+
+    def apply_update(self, batch: int, optimizer_step: Callable[[], None]) -> None:
+        """U_{batch+2} = U_{batch+1} - Opt(g_batch), written into the buffer batch `batch` used."""
+        target, source = self._version(batch % 2), self._version((batch + 1) % 2)
+        self.updates += 1
+        for tensor, latest in zip(target, source):
+            tensor.copy_(latest)
+        self.active = -1
+        self.activate(batch)
+        with preserved_versions(self.params):
+            optimizer_step()
+
+    def copies(self) -> list[torch.Tensor]:
+        """The weight copy kept beyond the live weights (made now if still pending)."""
+        return self._version(1 - self.active)
+
     def extra_bytes(self) -> int:
         """Bytes of the version buffers that are not the parameters' own storage."""
-        live = {_local(p).untyped_storage().data_ptr() for p in self.params}
+        live = {p.data.untyped_storage().data_ptr() for p in self.params}
         buffers = [t for version in self.buffers if version is not None for t in version]
         return sum(t.untyped_storage().nbytes() for t in buffers if t.untyped_storage().data_ptr() not in live)
 
     def state_dict(self, names: list[str], step: int) -> dict[str, torch.Tensor]:
         """After `step` steps the parameters hold the latest version U_{step+1} = W[step];
-        this is the other one, U_step, which the next batch still uses, sharded like the
-        parameters. Never aliases the live parameters (a load fills these tensors while
-        the model's own entries fill the parameters)."""
+        this is the other one, U_step, which the next batch still uses. Never aliases the
+        live parameters (a load fills these tensors while the model's own entries fill the
+        parameters)."""
         tensors = self._version(step % 2)
-        if not self.in_place and step % 2 == self.active:
+        if step % 2 == self.active:
             tensors = [t.clone() for t in tensors]
-        return {name: _like(param, t) for name, param, t in zip(names, self.params, tensors)}
+        return dict(zip(names, tensors))
 
     def load_state_dict(self, state: dict[str, torch.Tensor], names: list[str], step: int) -> None:
-        """Restore both versions after a checkpoint at `step` loaded U_{step+1} into the parameters.
-
-        The model's own load may finish after this one (fused weights are merged afterwards),
-        so the live version is copied into its side buffer only when it is first switched away."""
-        self.buffers[(step + 1) % 2] = None if self.in_place else [_local(p) for p in self.params]
-        self.buffers[step % 2] = [_local(state[name]).clone() for name in names]
+        """Restore both versions after a checkpoint at `step` loaded U_{step+1} into the parameters."""
+        self.buffers[(step + 1) % 2] = [p.data for p in self.params]
+        self.buffers[step % 2] = [state[name].clone() for name in names]
         self.active = (step + 1) % 2
         self.backwards.clear()
         self.updates = step
+
+
+class ShardedTwoVersions(OneStepDelay):
+    """2BW's two versions of FSDP2 parameters (same rule as `TwoVersions`).
+
+    Shards: FSDP all-gathers from the parameters' own shard storage, which holds one version
+    (`shard_version`); one side shard holds the other. Gathered: FSDP's unsharded parameters
+    hold one version (`gathered_version`) and, once a stage has gathered both (2BW's tail
+    backwards run on the older one while the forwards run on the newer), a gathered side
+    buffer holds the other, so that switching between them is a local copy and each version
+    is all-gathered once. Invariant: when the latest version is active and gathered, the
+    shard holds it too (checkpoints save the shard, and the next update starts from it).
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], microbatches: int, stage: FsdpStage) -> None:
+        super().__init__(microbatches)
+        self.params, self.stage = params, stage
+        # Until the first update versions 0 and 1 are both the live weights (W[-1] = W[0]): a
+        # side shard left None holds the shard's values and is copied out when first needed.
+        self.side: list[torch.Tensor] | None = None
+        self.shard_version, self.side_version = 1, 0
+        self.gathered_version: int | None = None
+        self.spare: list[torch.Tensor] | None = None
+        self.spare_version: int | None = None
+
+    def _alive(self, version: int | None) -> bool:
+        return version in (self.updates, self.updates + 1)
+
+    def _side(self) -> list[torch.Tensor]:
+        if self.side is None:
+            self.side = [_local(p).clone() for p in self.params]
+        return self.side
+
+    def _swap_shards(self) -> None:
+        if self.side is not None:
+            for param, side in zip(self.params, self.side):
+                _swap(_local(param), side)
+            self.stage.fence()
+        self.shard_version, self.side_version = self.side_version, self.shard_version
+
+    def _swap_gathered(self) -> None:
+        for param, spare in zip(self.stage.gathered_params(), self.spare):
+            _swap(param.data, spare)
+        self.gathered_version, self.spare_version = self.spare_version, self.gathered_version
+
+    def activate(self, batch: int) -> None:
+        """Make the parameters FSDP computes with hold version `batch`."""
+        if self.stage.gathered and self.gathered_version != batch:
+            if self.spare_version == batch:
+                self._swap_gathered()
+            else:
+                if self._alive(self.gathered_version):
+                    gathered = self.stage.gathered_params()
+                    if self.spare is None:
+                        self.spare = [torch.empty_like(p) for p in gathered]
+                    for param, spare in zip(gathered, self.spare):
+                        spare.copy_(param.data)
+                    self.spare_version = self.gathered_version
+                self.stage.reshard()
+        if not self.stage.gathered:
+            self.stage.reshard()  # units FSDP left gathered hold older weights
+            if self.shard_version != batch:
+                self._swap_shards()
+            self.gathered_version = batch
+        elif batch == self.updates + 1 and self.shard_version != batch:
+            self._swap_shards()
+
+    def apply_update(self, batch: int, optimizer_step: Callable[[], None]) -> None:
+        """U_{batch+2} = U_{batch+1} - Opt(g_batch): the shard steps from U_{batch+1}, the side
+        shard keeps U_{batch+1}, and U_batch is dropped."""
+        self.stage.reduce()
+        latest = batch + 1
+        if self.shard_version == latest:
+            for param, side in zip(self.params, self._side()):
+                side.copy_(_local(param))
+        elif self.side is not None:
+            for param, side in zip(self.params, self.side):
+                _local(param).copy_(side)
+        else:
+            self._side()
+        self.updates += 1
+        with preserved_versions(self.params):
+            optimizer_step()
+        self.shard_version, self.side_version = latest + 1, latest
+        self.stage.fence()
+        if not self.stage.gathered:
+            self.stage.reshard()
+            self.gathered_version = self.shard_version
+        if not self._alive(self.spare_version):
+            self.spare_version = None
+
+    def copies(self) -> list[torch.Tensor]:
+        """The side shard (made now if still pending)."""
+        return self._side()
+
+    def extra_bytes(self) -> int:
+        """Bytes of the side shard: the one weight copy 2BW keeps."""
+        return sum(t.untyped_storage().nbytes() for t in self.side or [])
+
+    def gathered_copy_bytes(self) -> int:
+        """Bytes of the gathered side buffer: a second set of unsharded parameters."""
+        return sum(t.untyped_storage().nbytes() for t in self.spare or [])
+
+    def state_dict(self, names: list[str], step: int) -> dict[str, torch.Tensor]:
+        """As `TwoVersions.state_dict`, sharded like the parameters: the side shard (after a drain
+        the shard holds U_{step+1}, the latest version)."""
+        return {name: _like(param, t) for name, param, t in zip(names, self.params, self._side())}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], names: list[str], step: int) -> None:
+        """Restore both versions after a checkpoint at `step` loaded U_{step+1} into the shard."""
+        self.side = [_local(state[name]).clone() for name in names]
+        self.shard_version, self.side_version = step + 1, step
+        self.gathered_version = self.spare_version = None
+        self.backwards.clear()
+        self.updates = step
+
+
+def _swap(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Exchange the values of two tensors of one shape, in place."""
+    held = a.clone()
+    a.copy_(b)
+    b.copy_(held)
 
 
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -156,12 +272,14 @@ def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 
 class LocalAccumulation:
-    """PACI: step in place after every `accumulation` local backwards, keeping saved graphs valid."""
+    """PACI: step in place after every `accumulation` local backwards, keeping saved graphs valid.
 
-    def __init__(self, params: list[torch.nn.Parameter], accumulation: int, microbatches: int, fence: Callable[[], None] = lambda: None) -> None:
-        """`fence` is called after every local step (`fsdp_streams`)."""
+    Under FSDP2 the stage reduces its gradients right before each local step and re-gathers
+    after it, so in-flight backwards read the new weights."""
+
+    def __init__(self, params: list[torch.nn.Parameter], accumulation: int, microbatches: int, stage: FsdpStage | None = None) -> None:
         self.params = params
-        self.fence = fence
+        self.stage = stage
         self.accumulation = accumulation
         self.microbatches = microbatches
         self.count = 0
@@ -179,9 +297,13 @@ class LocalAccumulation:
     def apply_update(self, batch: int, optimizer_step: Callable[[], None]) -> None:
         """Update in place; in-flight backwards read the new weights."""
         self.updates += 1
+        if self.stage:
+            self.stage.reduce()
         with preserved_versions(self.params):
             optimizer_step()
-        self.fence()
+        if self.stage:
+            self.stage.fence()
+            self.stage.reshard()
 
     def lr_steps_due(self) -> int:
         """Learning-rate steps owed so far: one per `microbatches` local backwards."""
@@ -191,8 +313,13 @@ class LocalAccumulation:
         """No weight copies: PACI keeps only the live parameters."""
         return 0
 
+    gathered_copy_bytes = extra_bytes
+
     def state_dict(self, names: list[str], step: int) -> dict[str, torch.Tensor]:
-        """Backward count and the gradients accumulated since the last local step."""
+        """Backward count and the gradients accumulated since the last local step (reduced,
+        when FSDP held them unsharded)."""
+        if self.stage and self.count % self.accumulation:
+            self.stage.reduce()
         state = {"count": torch.tensor(self.count)}
         for name, param in zip(names, self.params):
             state[f"grad.{name}"] = param.grad if param.grad is not None else torch.zeros_like(param)
@@ -205,10 +332,19 @@ class LocalAccumulation:
             param.grad = state[f"grad.{name}"].clone()
 
 
-def make_policy(schedule: str, module: torch.nn.Module, microbatches: int, accumulation: int | None):
-    """The weight-version policy of streaming schedule `schedule` for one stage's parameters,
-    with its writes ordered before FSDP's all-gathers on CUDA."""
-    params, fence = list(module.parameters()), param_write_fence(module)
+def two_versions(module: torch.nn.Module, microbatches: int, stage: FsdpStage | None = None):
+    """PipeDream-2BW's versions of `module`'s parameters: sharded when `stage` (its FSDP units) is given."""
+    params = list(module.parameters())
+    return ShardedTwoVersions(params, microbatches, stage) if stage else TwoVersions(params, microbatches)
+
+
+def make_policy(schedule: str, module: torch.nn.Module, microbatches: int, accumulation: int | None, hold_gathered: bool = False):
+    """The weight-version policy of streaming schedule `schedule` for one stage module. With
+    `hold_gathered` (a pipeline stage of its own) its FSDP units gather and reduce once per
+    update (`FsdpStage.hold_gathered`)."""
+    stage = FsdpStage.of(module)
+    if stage and hold_gathered:
+        stage.hold_gathered()
     if schedule == "PipeDream2BW":
-        return TwoVersions(params, microbatches, fence)
-    return LocalAccumulation(params, accumulation or microbatches, microbatches, fence)
+        return two_versions(module, microbatches, stage)
+    return LocalAccumulation(list(module.parameters()), accumulation or microbatches, microbatches, stage)

@@ -1,0 +1,72 @@
+"""Bytes FSDP2 all-gathers and reduce-scatters on this rank, counted where FSDP issues them.
+
+`FSDPModule.set_custom_all_gather` and `set_custom_reduce_scatter` (torch's extension points
+for FSDP2's collectives) take every collective a unit issues; `count_fsdp_traffic` wraps the
+unit's own ones (torch's defaults unless configured otherwise) with a byte count. An
+all-gather counts its unsharded output, a reduce-scatter its unsharded input: the bytes of
+the parameters gathered and of the gradients reduced, per rank. Units of a one-rank FSDP
+group issue no collective and count nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+
+@dataclass
+class FsdpTraffic:
+    """Running byte totals of this rank's FSDP collectives."""
+
+    all_gather: int = 0
+    reduce_scatter: int = 0
+    taken: tuple[int, int] = (0, 0)
+
+    def take(self) -> dict[str, int]:
+        """Bytes moved since the previous call."""
+        (gathered, reduced), self.taken = self.taken, (self.all_gather, self.reduce_scatter)
+        return {"fsdp_all_gather_bytes": self.all_gather - gathered, "fsdp_reduce_scatter_bytes": self.reduce_scatter - reduced}
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class _CountedAllGather(AllGather):
+    def __init__(self, inner: AllGather, traffic: FsdpTraffic) -> None:
+        self.inner, self.traffic = inner, traffic
+
+    def allocate(self, size, *, dtype, device):
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.traffic.all_gather += _nbytes(output_tensor)
+        return self.inner(output_tensor, input_tensor, group, async_op)
+
+
+class _CountedReduceScatter(ReduceScatter):
+    def __init__(self, inner: ReduceScatter, traffic: FsdpTraffic) -> None:
+        self.inner, self.traffic = inner, traffic
+
+    def allocate(self, size, *, dtype, device):
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.traffic.reduce_scatter += _nbytes(input_tensor)
+        return self.inner(output_tensor, input_tensor, group, op, async_op)
+
+
+def count_fsdp_traffic(modules: list[torch.nn.Module]) -> FsdpTraffic | None:
+    """Count the collectives of every FSDP unit inside `modules`; None when there is none."""
+    units = [m for module in modules for m in module.modules() if isinstance(m, FSDPModule)]
+    groups = {unit: unit._get_fsdp_state()._fsdp_param_groups for unit in units}
+    if not any(groups.values()):
+        return None
+    traffic = FsdpTraffic()
+    for unit, (group, *_) in ((u, g) for u, g in groups.items() if g):
+        unit.set_custom_all_gather(_CountedAllGather(group._all_gather_comm, traffic))
+        unit.set_custom_reduce_scatter(_CountedReduceScatter(group._reduce_scatter_comm, traffic))
+    return traffic
