@@ -103,7 +103,7 @@ def test_streaming_schedules_move_the_fsdp_bytes_of_1f1b_as_planned_and_2bw_keep
     for schedule, ranks in per_step.items():
         for rank, moved in ranks.items():
             expected = predicted[schedule][rank // 2]
-            assert abs(moved / (expected["all_gather"] + expected["reduce_scatter"]) - 1) <= 0.1, (schedule, rank)
+            assert abs(moved / (expected["all_gather"] + expected["reduce_scatter"]) - 1) <= 0.1, (schedule, rank, moved, predicted[schedule])
 
     for dry in plan["dry_run"]["ranks"]:
         shard = dry["allocated"]["weights"]

@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from titan_async.pipeline.fsdp_stage import FsdpStage
 
 
 @dataclass
@@ -61,12 +62,14 @@ class _CountedReduceScatter(ReduceScatter):
 
 def count_fsdp_traffic(modules: list[torch.nn.Module]) -> FsdpTraffic | None:
     """Count the collectives of every FSDP unit inside `modules`; None when there is none."""
-    units = [m for module in modules for m in module.modules() if isinstance(m, FSDPModule)]
-    groups = {unit: unit._get_fsdp_state()._fsdp_param_groups for unit in units}
-    if not any(groups.values()):
+    stages = [stage for module in modules if (stage := FsdpStage.of(module))]
+    if not stages:
         return None
     traffic = FsdpTraffic()
-    for unit, (group, *_) in ((u, g) for u, g in groups.items() if g):
-        unit.set_custom_all_gather(_CountedAllGather(group._all_gather_comm, traffic))
-        unit.set_custom_reduce_scatter(_CountedReduceScatter(group._reduce_scatter_comm, traffic))
+    for stage in stages:
+        for unit, state in zip(stage.modules, stage.states):  # one module per unit: wrapping twice counts twice
+            if state._fsdp_param_groups:
+                group = state._fsdp_param_groups[0]
+                unit.set_custom_all_gather(_CountedAllGather(group._all_gather_comm, traffic))
+                unit.set_custom_reduce_scatter(_CountedReduceScatter(group._reduce_scatter_comm, traffic))
     return traffic

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
 
 
 class FsdpStage:
@@ -39,8 +40,12 @@ class FsdpStage:
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.root = module
-        self.modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
-        self.groups = [g for m in self.modules for g in m._get_fsdp_state()._fsdp_param_groups]
+        # One state per unit: a unit may span several modules (torchtitan shards norm and output
+        # together), and a stage view of the emulation is FSDP-typed without a state of its own.
+        states = {id(s): (m, s) for m in module.modules() if (s := _get_module_fsdp_state(m)) is not None}
+        self.modules = [m for m, _ in states.values()]
+        self.states = [s for _, s in states.values()]
+        self.groups = [g for s in self.states for g in s._fsdp_param_groups]
         self.on_cuda = next(module.parameters()).device.type == "cuda"
         self.manual = False
 
@@ -89,7 +94,7 @@ class FsdpStage:
         if not self.on_cuda:
             return
         current = torch.cuda.current_stream()
-        contexts = {id(ctx): ctx for ctx in (m._get_fsdp_state()._comm_ctx for m in self.modules)}
+        contexts = {id(s._comm_ctx): s._comm_ctx for s in self.states}
         for ctx in contexts.values():
             if hasattr(ctx, "all_gather_stream"):  # streams exist after FSDP's lazy init (the first forward)
                 ctx.all_gather_copy_in_stream.wait_stream(current)
