@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS, run_cli, sets
+from conftest import CONFIGS, cli_in_process, run_cli, sets
 from titan_async import cli
 
 
@@ -126,3 +126,31 @@ def test_train_refuses_to_discard_checkpoints(capsys, tmp_path):
 def test_invalid_model_shape(capsys, tmp_path):
     err = fail(capsys, "train", "--run-dir", str(tmp_path / "run"), *sets("model.n_heads=7"))
     assert "model.dim (256) must be divisible by model.n_heads (7)" in err
+
+
+def test_shipped_config_resolves_with_or_without_toml(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not the checkout: names resolve to the shipped configs
+    for name in ("10b_2bw_muon", "10b_2bw_muon.toml", "train_configs/10b_2bw_muon.toml"):
+        code, out, _ = cli_in_process(capsys, "config", "show", "--config", name)
+        assert code == 0 and out.startswith(f"# resolved from {CONFIGS / '10b_2bw_muon.toml'}"), name
+
+
+def test_unknown_config_name_lists_the_shipped_ones(capsys):
+    err = fail(capsys, "config", "show", "--config", "10b_2bw_moun.toml")
+    assert "--config 10b_2bw_moun.toml: no such file, and no shipped config of that name" in err and "10b_2bw_muon" in err
+
+
+@pytest.mark.parametrize("argument", [("train", "--nproc-per-node", "0"), ("plan", "--gpus-per-node", "-1")])
+def test_non_positive_process_counts_are_refused(capsys, argument):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(list(argument))
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1
+    assert f"argument {argument[1]}: expected a positive integer, got '{argument[2]}'" in err
+
+
+@pytest.mark.parametrize("key,value", [("training.steps", -5), ("training.local_batch_size", 0), ("metrics.log_freq", 0),
+                                       ("validation.freq", -1), ("training.global_batch_size", 0)])
+def test_non_positive_counts_in_the_config_are_refused(capsys, key, value):
+    err = fail(capsys, "train", *sets(f"{key}={value}"))
+    assert err.endswith(f"{key}: expected a positive integer{', or -1' if key == 'training.global_batch_size' else ''}, got {value}")

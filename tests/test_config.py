@@ -9,7 +9,9 @@ from typing import ClassVar
 import pytest
 
 from conftest import CONFIGS
+from titan_async import platform
 from titan_async.config import run_config
+from titan_async.config.assemble import compile_config
 from titan_async.config.run_config import apply_set, build_run_config, load_run_config, render_toml
 
 SHIPPED = sorted(CONFIGS.glob("*.toml"))
@@ -81,3 +83,12 @@ def test_initial_load_in_hf_loads_the_model_only_from_an_absolute_path(tmp_path,
     checkpoint = build_run_config(document, "test").checkpoint
     assert checkpoint.initial_load_model_only is True
     assert checkpoint.initial_load_path == str(tmp_path / "exports" / "try1")
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("10b_*.toml")), ids=lambda p: p.stem)
+def test_10b_configs_compile_on_cuda_and_stay_eager_on_cpu(path, monkeypatch):
+    run = load_run_config(path)
+    assert run.model.float8 == "rowwise" and run.compile.enable
+    assert not compile_config(run).enable  # this machine is a CPU
+    monkeypatch.setattr(platform, "is_cpu", lambda: False)
+    assert compile_config(run).enable

@@ -185,3 +185,10 @@ def test_2bw_with_muon_and_error_feedback_trains(tmp_path):
     logged = metrics(run, "validation")
     assert logged[STEPS]["validation_metrics/loss"] < logged[1]["validation_metrics/loss"] - 0.05
     assert "Muon" in (run / "optimizer_groups.txt").read_text()
+    # Each optimizer's learning rate under its own name, not one ErrorFeedback key hiding the other:
+    # the config's peaks (0.02, 3e-3) on the same schedule, half of them at step 1 of a 2-step warm-up.
+    train_rows = metrics(run, "train")
+    assert not [key for row in train_rows.values() for key in row if key.startswith("lr/ErrorFeedback")]
+    assert train_rows[1]["lr/Muon"] == pytest.approx(0.01) and train_rows[1]["lr/AdamW"] == pytest.approx(1.5e-3)
+    for row in train_rows.values():
+        assert row["lr/Muon"] / row["lr/AdamW"] == pytest.approx(0.02 / 3e-3)

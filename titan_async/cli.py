@@ -14,8 +14,26 @@ from titan_async.errors import UserError
 DEFAULT_CONFIG = "debug_cpu"
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments end with one line naming the argument (exit status 2), like every bad input."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    """argparse type of counts: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="titan-async", description=__doc__)
+    parser = _Parser(prog="titan-async", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
     def config_args(p: argparse.ArgumentParser) -> None:
@@ -23,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one config key")
 
     def launch_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--nproc-per-node", type=int, help="local worker processes (torch elastic launcher)")
+        p.add_argument("--nproc-per-node", type=positive_int, help="local worker processes (torch elastic launcher)")
         p.add_argument("--verbose", action="store_true", help="show torchtitan's log on the console")
 
     train = commands.add_parser("train", help="start a training run")
@@ -41,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--checkpoint", type=Path, required=True, help="a checkpoint directory (RUN/checkpoint/step-N)")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object")
     evaluate.add_argument("--prompt", default="def main():", help="prompt for the greedy continuation")
-    evaluate.add_argument("--max-new-tokens", type=int, default=32)
+    evaluate.add_argument("--max-new-tokens", type=positive_int, default=32)
 
     export = commands.add_parser("export", help="write a checkpoint as a Hugging Face Llama directory")
     export.add_argument("--checkpoint", type=Path, required=True, help="a checkpoint directory (RUN/checkpoint/step-N)")
@@ -62,8 +80,8 @@ def _parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help="per-GPU memory, bubbles and a fake-process-group dry run of a config's layout")
     config_args(plan)
-    plan.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
-    plan.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node (default: 1)")
+    plan.add_argument("--nodes", type=positive_int, default=1, help="nodes (default: 1)")
+    plan.add_argument("--gpus-per-node", type=positive_int, default=1, help="GPUs per node (default: 1)")
     plan.add_argument("--gpu-memory", default="80GiB", help="memory per GPU, e.g. 80GiB or 141GB (default: 80GiB)")
     plan.add_argument("--strict", action="store_true", help="exit with status 1 if some GPU would run out of memory")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
@@ -81,15 +99,15 @@ def _shipped_configs() -> Path:
 
 
 def _config_path(name: str | None) -> Path:
-    """A TOML path, or the shipped config of that name."""
-    name = name or DEFAULT_CONFIG
-    path = Path(name)
-    if path.suffix == ".toml" or path.exists():
-        return path
-    shipped = _shipped_configs() / f"{name}.toml"
-    if not shipped.is_file():
-        raise UserError(f"--config {name}: no such file, and no shipped config of that name")
-    return shipped
+    """A TOML path, or a shipped config named with or without `.toml` (or as train_configs/NAME)."""
+    path = Path(name or DEFAULT_CONFIG)
+    if path.is_file() or str(path.parent) not in (".", "train_configs") or path.suffix not in ("", ".toml"):
+        return path  # a file, or a path that reading reports missing
+    shipped = _shipped_configs() / f"{path.stem}.toml"
+    if shipped.is_file():
+        return shipped
+    names = ", ".join(sorted(p.stem for p in _shipped_configs().glob("*.toml")))
+    raise UserError(f"--config {path}: no such file, and no shipped config of that name (shipped: {names})")
 
 
 def _train(args) -> int:

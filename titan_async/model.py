@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
@@ -17,6 +17,7 @@ from torchtitan.models.llama3 import (
 )
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.pipeline_parallel import pipeline_llm
+from torchao.float8 import Float8LinearConfig
 from torchtitan.components.quantization import Float8LinearConverter
 from torchtitan.models.common.attention import VarlenAttention
 from torchtitan.models.llama3.model import Llama3Model
@@ -65,7 +66,7 @@ class ModelSection:
     """auto: FlexAttention on CUDA, dense per-document SDPA on CPU (which has no Flex backward)."""
     float8: Literal["none", "rowwise", "rowwise_with_gw_hp"] = "none"
     """Float8 linear layers through torchao (the output head stays in high precision); needs SM89+,
-    emulated on machines without CUDA (slow, eager only; for testing)."""
+    emulated (same recipe) on machines without CUDA (slow, eager only; for testing)."""
 
     def resolved(self, tokenizer_vocab_size: int) -> dict[str, object]:
         """All sizes after applying the preset and the tokenizer's vocabulary."""
@@ -147,8 +148,10 @@ def build_model_spec(section: ModelSection, tokenizer_vocab_size: int, fsdp: boo
     if section.float8 != "none":
         converter = Float8LinearConverter.Config(
             recipe_name=section.float8, filter_fqns=["lm_head"], emulate=platform.is_cpu(), model_compile_enabled=compiled
-        )
-        config = converter.build().convert(config)
+        ).build()
+        if platform.is_cpu():  # torchtitan emulates only the tensorwise recipe: emulate the one asked for
+            converter.torchao_config = replace(Float8LinearConfig.from_recipe_name(section.float8), emulate=True)
+        config = converter.convert(config)
     return ModelSpec(
         name="llama3",
         flavor=section.preset,

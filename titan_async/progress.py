@@ -19,6 +19,9 @@ from rich.live import Live
 from rich.table import Table
 from torchtitan.components.metrics import BaseLogger, MetricsProcessor, _get_metrics_rank
 from torchtitan.components.validate import Validator
+from torchtitan.tools.logging import logger
+
+from titan_async import platform
 
 LOSS = "loss_metrics/global_avg_loss"
 VALIDATION_LOSS = "validation_metrics/loss"
@@ -134,6 +137,11 @@ class RunMetrics(MetricsProcessor):
         """Record every pipeline action's start and end (streaming schedules): trace JSON and a Gantt PNG."""
 
     def __init__(self, config: Config, *, parallel_dims, dump_folder: str = "./outputs", pp_schedule: str = "1F1B", **kwargs):
+        # torchtitan's MFU divides by a GPU's peak FLOPS; it leaves MFU out where that peak does not
+        # apply (`has_quantization`), which on CPU is always.
+        if platform.is_cpu():
+            kwargs["has_quantization"] = True
+            logger.info("mfu(%) is not reported on CPU: torchtitan computes it against a GPU's peak FLOPS")
         super().__init__(config, parallel_dims=parallel_dims, dump_folder=dump_folder, pp_schedule=pp_schedule, **kwargs)
         import torch.distributed as dist
 

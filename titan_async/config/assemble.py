@@ -10,6 +10,7 @@ from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
+from titan_async import platform
 from titan_async.config.run_config import RunConfig
 from titan_async.data.sources import prepare
 from titan_async.errors import UserError
@@ -61,16 +62,23 @@ def plain_parameters(run: RunConfig, world_size: int) -> bool:
     return _weight_versions(run) and run.data_parallel_degree(world_size) == 1
 
 
+def compile_config(run: RunConfig):
+    """`[compile]` as it applies on this machine: CPU runs stay eager (the 10B configs compile on
+    CUDA, where eager float8 is slower than bfloat16; on CPU float8 is emulated, eager only)."""
+    return dataclasses.replace(run.compile, enable=False) if platform.is_cpu() else run.compile
+
+
 def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncTrainer.Config:
     """The AsyncTrainer config that trains `run` on `world_size` processes with its outputs under `run_dir`."""
     register_schedules()
     data = prepare(run.data, need_validation=run.validation.enable)
+    compile = compile_config(run)
     try:
         model_spec = build_model_spec(
             run.model,
             tokenizer_vocab_size(data.tokenizer_dir),
             fsdp=not plain_parameters(run, world_size),
-            compiled=run.compile.enable and "model" in run.compile.components,
+            compiled=compile.enable and "model" in compile.components,
         )
     except ValueError as err:
         raise UserError(f"{run.source}: {err}") from None
@@ -95,7 +103,7 @@ def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncT
             checkpoint=run.checkpoint,
             metrics=run.metrics,
             activation_checkpoint=activation_checkpoint() if activation_checkpoint else None,
-            compile=run.compile,
+            compile=compile,
             debug=run.debug,
             comm=run.comm,
             health=run.health,

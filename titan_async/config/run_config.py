@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from torchtitan.components.checkpointer import CheckpointManager
-from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.config.configs import CommConfig, CompileConfig, DebugConfig
 
 from titan_async import platform
@@ -18,6 +17,7 @@ from titan_async.config.fields import closest, coerce, describe, settable_fields
 from titan_async.data.sources import DataSection
 from titan_async.errors import UserError
 from titan_async.health import HealthSection
+from titan_async.lr_schedule import RunLRSchedulers
 from titan_async.model import ModelSection
 from titan_async.optimizer import OptimizerSection
 from titan_async.pipeline.config import DelayTraining, PipelineParallelism, check_pipeline, microbatches
@@ -40,7 +40,7 @@ def _default_sections() -> dict[str, Any]:
         "training": DelayTraining(disable_cuda_graphs=platform.is_cpu()),
         "parallelism": PipelineParallelism(),
         "optimizer": OptimizerSection(),
-        "lr_scheduler": LRSchedulersContainer.Config(),
+        "lr_scheduler": RunLRSchedulers.Config(),
         "checkpoint": CheckpointManager.Config(enable=True, last_save_model_only=False, initial_load_model_only=False),
         "metrics": RunMetrics.Config(log_freq=1, enable_tensorboard=True),
         "validation": RunValidator.Config(enable=True, freq=100, steps=20),
@@ -64,7 +64,7 @@ class RunConfig:
     training: DelayTraining
     parallelism: PipelineParallelism
     optimizer: OptimizerSection
-    lr_scheduler: LRSchedulersContainer.Config
+    lr_scheduler: RunLRSchedulers.Config
     checkpoint: CheckpointManager.Config
     metrics: RunMetrics.Config
     validation: RunValidator.Config
@@ -211,7 +211,32 @@ def build_run_config(document: dict[str, Any], source: str) -> RunConfig:
         defaults["training"] = dataclasses.replace(defaults["training"], disable_cuda_graphs=True)
     _hf_initial_load(document.get("checkpoint"))
     sections = {name: _section(name, default, document.get(name, {}), source) for name, default in defaults.items()}
-    return RunConfig(source=source, **sections)
+    run = RunConfig(source=source, **sections)
+    _check_counts(run)
+    return run
+
+
+# Counts that must be positive; those in AUTO_COUNTS may also be -1 (derived or unlimited), and
+# unset optional ones (None) are left alone.
+POSITIVE_COUNTS = (
+    "training.steps", "training.local_batch_size", "training.seq_len", "training.gc_freq",
+    "parallelism.pipeline_parallel_microbatch_size", "parallelism.paci.accumulation", "optimizer.muon.ns_steps",
+    "lr_scheduler.total_steps", "metrics.log_freq", "validation.freq", "validation.steps",
+    "training.global_batch_size",
+)
+AUTO_COUNTS = ("training.global_batch_size", "validation.steps")
+
+
+def _check_counts(run: RunConfig) -> None:
+    """UserError naming the first count that is not positive (a run would silently do nothing)."""
+    for key in POSITIVE_COUNTS:
+        value = run
+        for part in key.split("."):
+            value = getattr(value, part)
+        if value is None or value > 0 or (key in AUTO_COUNTS and value == -1):
+            continue
+        expected = "a positive integer, or -1" if key in AUTO_COUNTS else "a positive integer"
+        raise UserError(f"{run.source}: {key}: expected {expected}, got {value}")
 
 
 def load_run_config(path: Path, assignments: list[str] = ()) -> RunConfig:
