@@ -16,7 +16,7 @@ platform.configure()
 
 from titan_async.model import ModelSection, build_model_spec  # noqa: E402
 from titan_async.optim import ErrorFeedback, Muon, RoutedOptimizersContainer  # noqa: E402
-from titan_async.optim.newton_schulz import orthogonalize_batched  # noqa: E402
+from titan_async.optim.newton_schulz_batched import orthogonalize_batched  # noqa: E402
 from titan_async.optimizer import ErrorFeedbackSection, OptimizerSection  # noqa: E402
 
 CURVATURE = torch.tensor([1.0, 3.0, 10.0], dtype=torch.float64)

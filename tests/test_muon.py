@@ -26,9 +26,10 @@ from torchtitan.distributed.pipeline_parallel import _split_module  # noqa: E402
 from titan_async.model import ModelSection, build_model_spec  # noqa: E402
 from titan_async.optim import ErrorFeedback, Muon, RoutedOptimizersContainer  # noqa: E402
 from titan_async.optim.blocks import FusedQKVBlocks  # noqa: E402
-from titan_async.optim import newton_schulz  # noqa: E402
+from titan_async.optim import newton_schulz_batched  # noqa: E402
 from titan_async.optim.full_matrix import assign_owners, map_full_matrices  # noqa: E402
-from titan_async.optim.newton_schulz import COEFFICIENTS, flops, orthogonalize, orthogonalize_all, resolve_dtype  # noqa: E402
+from titan_async.optim.newton_schulz import COEFFICIENTS, flops, gram_form, orthogonalize, resolve_dtype  # noqa: E402
+from titan_async.optim.newton_schulz_batched import orthogonalize_all  # noqa: E402
 from titan_async.optimizer import OptimizerSection  # noqa: E402
 
 NS_BAND = (0.68, 1.135)
@@ -87,24 +88,56 @@ def relative(result: torch.Tensor, reference: torch.Tensor) -> float:
     return float((result.double() - reference.double()).norm() / reference.double().norm())
 
 
-BATCH_SHAPES = [(48, 80), (80, 48), (48, 80), (64, 64), (16, 80), (80, 16), (24, 40)]
-"""Wide, tall (stacked with the wide ones of the transposed shape), repeated, square, K/V-like."""
+BATCH_SHAPES = [(48, 80), (80, 48), (48, 80), (64, 64), (16, 80), (80, 16), (40, 48)]
+"""Wide, tall (stacked with the wide ones of the transposed shape), repeated, square, K/V-like, and
+one only slightly wide: all but (64, 64) and (40, 48) take the Gram form in float32."""
+
+FORMS = {"as-muon-runs-it": {}, "standard-form": {"gram": False}, "batched-gemm": {"batched_gemm": True}}
 
 
-def test_batched_iteration_equals_one_at_a_time_and_the_reference():
+@pytest.mark.parametrize("symmetric_min_rows", [512, 16], ids=["whole-products", "half-block-products"])
+@pytest.mark.parametrize("options", FORMS.values(), ids=FORMS.keys())
+def test_batched_iteration_equals_one_at_a_time_and_the_reference(options, symmetric_min_rows, monkeypatch):
+    monkeypatch.setattr(newton_schulz_batched, "SYMMETRIC_MIN_ROWS", symmetric_min_rows)
     torch.manual_seed(0)
     matrices = [torch.randn(shape) for shape in BATCH_SHAPES]
-    for matrix, result in zip(matrices, orthogonalize_all(matrices, 5, torch.float32)):
+    for matrix, result in zip(matrices, orthogonalize_all(matrices, 5, torch.float32, **options)):
         assert result.shape == matrix.shape and result.dtype == torch.float32
         assert relative(result, orthogonalize(matrix)) < 1e-5
         assert relative(result, reference_newton_schulz(matrix)) < 1e-5
 
 
+def test_gram_form_only_in_float32_where_it_saves_flops():
+    assert [gram_form(shape, 5, torch.float32) for shape in BATCH_SHAPES] == [True] * 3 + [False] + [True] * 2 + [False]
+    assert not gram_form((48, 80), 5, torch.bfloat16) and not gram_form((48, 80), 1, torch.float32)
+    for shape in [(48, 80), (64, 64), (40, 48)]:
+        standard = flops(shape, 5, torch.bfloat16)
+        assert (flops(shape, 5, torch.float32) < standard) == gram_form(shape, 5, torch.float32)
+    torch.manual_seed(0)
+    matrices = [torch.randn(shape) for shape in BATCH_SHAPES]
+    for matrix, result in zip(matrices, orthogonalize_all(matrices, 5, torch.bfloat16)):
+        assert relative(result, orthogonalize(matrix, dtype=torch.bfloat16)) < 1e-3
+
+
+def test_gram_form_accuracy_on_a_decaying_spectrum():
+    """The documented cost of the Gram form: rounding amplified on ill-conditioned inputs."""
+    torch.manual_seed(0)
+    left, _ = torch.linalg.qr(torch.randn(64, 64, dtype=torch.float64))
+    right, _ = torch.linalg.qr(torch.randn(256, 64, dtype=torch.float64))
+    matrix = (left * torch.logspace(0, -4, 64, dtype=torch.float64)) @ right.T
+    reference = reference_newton_schulz(matrix)
+    gram, standard = (orthogonalize_all([matrix.float()], 5, torch.float32, gram=g)[0] for g in (True, False))
+    assert relative(standard, reference) < 1e-5
+    assert 1e-5 < relative(gram, reference) < 1e-3
+
+
 def test_muon_runs_one_batched_iteration_per_block_shape(monkeypatch):
     """Same-shape matrices, tall ones and the Q/K/V blocks of a fused matrix share stacks."""
     stacks = []
-    batched = newton_schulz.orthogonalize_batched
-    monkeypatch.setattr(newton_schulz, "orthogonalize_batched", lambda stack, *a: stacks.append(tuple(stack.shape)) or batched(stack, *a))
+    batched = newton_schulz_batched.orthogonalize_batched
+    monkeypatch.setattr(
+        newton_schulz_batched, "orthogonalize_batched", lambda stack, *a, **k: stacks.append(tuple(stack.shape)) or batched(stack, *a, **k)
+    )
     shapes = {"wqkv": (24, 16), "wo": (8, 16), "w1": (16, 8), "w2": (8, 16), "w3": (16, 16)}
     params = {name: nn.Parameter(torch.zeros(shape)) for name, shape in shapes.items()}
     for param in params.values():
@@ -119,8 +152,9 @@ def test_owners_are_balanced_by_newton_schulz_flops():
     put it with a thin one; by FLOPs it is alone."""
     shapes = [(64, 64), (4, 1024), (4, 1024), (4, 1024)]
     assert len({rows * cols for rows, cols in shapes}) == 1
-    costs = [flops(shape, 5) for shape in shapes]
+    costs = [flops(shape, 5, torch.bfloat16) for shape in shapes]
     assert costs[0] == 5 * 6 * 64**3 and costs[1] == 5 * (4 * 4 * 4 * 1024 + 2 * 4**3)
+    assert flops((4, 1024), 5, torch.float32) == 4 * 4 * 4 * 1024 + 2 * 4**3 * 17
     assert assign_owners(costs, 2) == [0, 1, 1, 1]
     assert assign_owners([rows * cols for rows, cols in shapes], 2) == [0, 1, 0, 1]
 
@@ -128,7 +162,7 @@ def test_owners_are_balanced_by_newton_schulz_flops():
 def test_muon_costs_are_the_flops_of_its_blocks():
     param = nn.Parameter(torch.zeros(24, 16))
     muon = Muon([{"params": [param], "param_names": ["wqkv"]}], lr=0.1, ns_steps=3, blocks={"wqkv": FusedQKVBlocks(1, 4)})
-    assert muon.newton_schulz_flops(param, muon.param_groups[0]) == flops((8, 16), 3) * 3
+    assert muon.newton_schulz_flops(param, muon.param_groups[0]) == flops((8, 16), 3, torch.float32) * 3
 
 
 def test_auto_ns_dtype_is_bfloat16_on_cuda_and_float32_elsewhere():
@@ -225,7 +259,7 @@ def _check_flop_balanced_owners(rank: int) -> None:
         calls.append(sorted(indices))
         return [m * (i + 1) for i, m in zip(indices, matrices)]
 
-    local = map_full_matrices(parts, layouts, fn, costs=[flops(tuple(m.shape), 5) for m in full])
+    local = map_full_matrices(parts, layouts, fn, costs=[flops(tuple(m.shape), 5, torch.bfloat16) for m in full])
     assert calls == ([[0, 4]] if rank == 0 else [[1, 2, 3, 4]]), calls
     for i, (matrix, rows) in enumerate(zip(full, local)):
         expected = distribute_tensor(matrix, mesh, [Shard(0)]).to_local() if i < 4 else matrix

@@ -12,7 +12,8 @@ from torch.optim import Optimizer
 
 from titan_async.optim.blocks import MatrixBlocks, WholeMatrix
 from titan_async.optim.full_matrix import map_full_matrices
-from titan_async.optim.newton_schulz import NS_DTYPES, flops, orthogonalize_all, resolve_dtype
+from titan_async.optim.newton_schulz import NS_DTYPES, flops, resolve_dtype
+from titan_async.optim.newton_schulz_batched import orthogonalize_all
 
 LrScaling = Literal["original", "match_rms_adamw"]
 NsDtype = Literal["auto", "float32", "bfloat16"]
@@ -43,8 +44,9 @@ class Muon(Optimizer):
     full logical matrix (see `map_full_matrices`), never per shard: each matrix on one owner
     rank of its FSDP group, owners balanced by Newton-Schulz FLOPs, and each rank runs one
     batched iteration per distinct block shape over all the blocks it holds (Q, K and V of a
-    fused matrix are blocks like any other). ns_dtype "auto" iterates in bfloat16 on CUDA and
-    in float32 elsewhere.
+    fused matrix are blocks like any other; see `orthogonalize_all`, which in float32 takes the
+    cheaper Gram form for wide blocks). ns_dtype "auto" iterates in bfloat16 on CUDA and in
+    float32 elsewhere.
 
     `blocks` maps parameter names (the groups' `param_names`) to their block layout;
     other parameters are one block.
@@ -100,7 +102,8 @@ class Muon(Optimizer):
 
     def newton_schulz_flops(self, param: torch.Tensor, group: Mapping[str, Any]) -> int:
         """FLOPs of orthogonalising the blocks of `param` (full logical shape) once."""
-        return sum(flops(shape, group["ns_steps"]) for shape in self.blocks[param].shapes(tuple(param.shape)))
+        dtype = resolve_dtype(group["ns_dtype"], param.device)
+        return sum(flops(shape, group["ns_steps"], dtype) for shape in self.blocks[param].shapes(tuple(param.shape)))
 
     def _orthogonal_updates(
         self, matrices: list[torch.Tensor], params: list[torch.Tensor], groups: list[Mapping[str, Any]]
