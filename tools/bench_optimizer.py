@@ -15,9 +15,11 @@ The throughputs and the link bandwidth are assumptions, printed with the result.
 one matrix at a time (`orthogonalize`, the per-matrix form Muon used before batching: the
 baseline) and by `orthogonalize_all` three ways (see NEWTON_SCHULZ_METHODS): as Muon runs it,
 in the standard form only, and with batched GEMMs. Timed on Gaussian matrices, interleaved
-(order rotated each repetition), min / median / max over --reps after one warm-up each, the
-speed-ups against the baseline; then the largest relative difference of each method's results
-from the baseline's, on those matrices and on matrices with a 1/k^2 spectrum.
+(order rotated each repetition), min / median / max over --reps after one warm-up each, and
+the speed-ups against the baseline: ratios of the medians and of the minimums, and the median
+of the ratios within each repetition (the least affected by other load). Then the largest
+relative difference of each method's results from the baseline's, on those matrices and on
+matrices with a 1/k^2 spectrum.
 
     .venv/bin/python tools/bench_optimizer.py [--reps 8] [--steps 3]
     .venv/bin/python tools/bench_optimizer.py --newton-schulz [--reps 5] [--layers 1]
@@ -267,19 +269,21 @@ def newton_schulz(args: argparse.Namespace) -> None:
     print(f"Newton-Schulz on the Muon blocks of {args.layers} transformer block(s) of {args.config}: {listing}")
     print(f"{steps} steps, float32, {torch.get_num_threads()} threads; timed on Gaussian inputs, "
           f"{args.reps} reps, order rotated each rep, after 1 warm-up each")
-    print(f"{'method':<24} {'min s':>7} {'median s':>9} {'max s':>7} {'speed-up (medians)':>19} {'(minimums)':>11} "
-          + "".join(f"{'max rel diff, ' + kind:>30}" for kind in inputs))
+    print(f"{'method':<24} {'min s':>7} {'median s':>9} {'max s':>7} {'speed-up: medians':>18} {'minimums':>9} "
+          f"{'per rep':>8}" + "".join(f"{'max rel diff, ' + kind:>30}" for kind in inputs))
     baseline = times[names[0]]
     for name in names:
         values = times[name]
+        per_rep = statistics.median(b / v for b, v in zip(baseline, values))
         line = (f"{name:<24} {min(values):>7.3f} {statistics.median(values):>9.3f} {max(values):>7.3f} "
-                f"{statistics.median(baseline) / statistics.median(values):>18.3f}x {min(baseline) / min(values):>10.3f}x")
+                f"{statistics.median(baseline) / statistics.median(values):>17.3f}x {min(baseline) / min(values):>8.3f}x "
+                f"{per_rep:>7.3f}x")
         for kind in inputs:
             reference = results[kind][names[0]]
             line += f"{max(relative_difference(r, o) for r, o in zip(results[kind][name], reference)):>30.1e}"
         print(line)
-    print("speed-up: one at a time / method; max rel diff: largest Frobenius relative difference of a matrix's result "
-          "against one at a time")
+    print("speed-up: one at a time / method, from the medians, the minimums, and the median of each repetition's "
+          "ratio; max rel diff: largest Frobenius relative difference of a matrix's result against one at a time")
     work = sum(flops(shape, steps, torch.bfloat16) for shape in shapes)
     print(f"one at a time: {work / 1e12:.2f} TFLOP per call, {work / statistics.median(baseline) / 1e9:.0f} GFLOP/s at the median")
     print(f"1-minute load average: {load_before:.2f} before, {load_after:.2f} after")
