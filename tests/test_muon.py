@@ -135,9 +135,12 @@ def test_muon_runs_one_batched_iteration_per_block_shape(monkeypatch):
     """Same-shape matrices, tall ones and the Q/K/V blocks of a fused matrix share stacks."""
     stacks = []
     batched = newton_schulz_batched.orthogonalize_batched
-    monkeypatch.setattr(
-        newton_schulz_batched, "orthogonalize_batched", lambda stack, *a, **k: stacks.append(tuple(stack.shape)) or batched(stack, *a, **k)
-    )
+
+    def recording(stack, *args, **kwargs):
+        stacks.append(tuple(stack.shape))
+        return batched(stack, *args, **kwargs)
+
+    monkeypatch.setattr(newton_schulz_batched, "orthogonalize_batched", recording)
     shapes = {"wqkv": (24, 16), "wo": (8, 16), "w1": (16, 8), "w2": (8, 16), "w3": (16, 16)}
     params = {name: nn.Parameter(torch.zeros(shape)) for name, shape in shapes.items()}
     for param in params.values():

@@ -285,7 +285,8 @@ def newton_schulz(args: argparse.Namespace) -> None:
     print("speed-up: one at a time / method, from the medians, the minimums, and the median of each repetition's "
           "ratio; max rel diff: largest Frobenius relative difference of a matrix's result against one at a time")
     work = sum(flops(shape, steps, torch.bfloat16) for shape in shapes)
-    print(f"one at a time: {work / 1e12:.2f} TFLOP per call, {work / statistics.median(baseline) / 1e9:.0f} GFLOP/s at the median")
+    rate = work / statistics.median(baseline) / 1e9
+    print(f"one at a time: {work / 1e12:.2f} TFLOP per call, {rate:.0f} GFLOP/s at the median")
     print(f"1-minute load average: {load_before:.2f} before, {load_after:.2f} after")
 
 
@@ -298,7 +299,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=1, help="--newton-schulz: transformer blocks whose matrices are timed")
     parser.add_argument("--nodes", type=int, default=8, help="projection: nodes")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="projection: GPUs per node")
-    parser.add_argument("--ns-tflops", type=float, default=600, help="projection: bfloat16 Newton-Schulz TFLOP/s (H200, docs/results/gpu)")
+    parser.add_argument("--ns-tflops", type=float, default=600,
+                        help="projection: bfloat16 Newton-Schulz TFLOP/s (H200, docs/results/gpu)")
     parser.add_argument("--ns-tflops-float32", type=float, default=47, help="projection: float32 Newton-Schulz TFLOP/s (H200)")
     parser.add_argument("--train-tflops", type=float, default=464, help="projection: training TFLOP/s per GPU (1B bf16 on H200)")
     parser.add_argument("--link-gbs", type=float, default=300, help="projection: all-to-all GB/s per rank")
