@@ -1,4 +1,5 @@
-"""What only a CUDA GPU runs: FlexAttention's backward, float8 kernels, NCCL, compiled models.
+"""What only a CUDA GPU runs: FlexAttention's backward, float8 kernels, NCCL, compiled models, Muon's
+bfloat16 Newton-Schulz default.
 
 Each test is skipped on a machine without CUDA. References: dense SDPA in float64 with a
 hand-written per-document causal mask; bfloat16 training of the same model on the same data;
@@ -19,8 +20,10 @@ from torchtitan.models.common.attention import FlexAttention
 
 from conftest import CONFIGS, REPO, fresh_environment, losses, metrics, sets
 from test_attention import reference_mask
+from test_muon import muon_update
 from test_schedules import EXACT, STEPS, assert_close_weights, assert_same_run, final_weights, train
 from titan_async.model import ModelSection, build_model_spec
+from titan_async.optim.newton_schulz_batched import orthogonalize_batched
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (FlexAttention backward, float8, NCCL)")
 FLOAT8 = pytest.mark.skipif(
@@ -72,6 +75,18 @@ def test_flex_attention_matches_dense_sdpa_forward_and_backward():
     assert all(error < 2e-2 for error in errors.values()), errors
     causal_only, _ = dense_attention(q, k, v, torch.ones(seq_len, seq_len, dtype=torch.bool, device="cuda").tril())
     assert relative_error(out, causal_only) > 10 * errors["out"], "documents do not change the result: the check is blind"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: ns_dtype auto is float32 elsewhere")
+def test_muon_iterates_in_bfloat16_by_default_on_cuda():
+    """ns_dtype "auto" on a CUDA parameter is the bfloat16 iteration, measurably not float32's."""
+    torch.manual_seed(0)
+    gradient = torch.randn(256, 512, device="cuda")
+    update = muon_update(gradient)
+    scale = 0.2 * math.sqrt(512)
+    bfloat16, float32 = (orthogonalize_batched(gradient[None], 5, dtype)[0] * scale for dtype in (torch.bfloat16, torch.float32))
+    assert relative_error(update, bfloat16) < 1e-6
+    assert relative_error(update, float32) > 1e-4
 
 
 COMPILED = ("training.steps=12", "model.dim=256", "training.seq_len=256", "training.mixed_precision_param=bfloat16",

@@ -1,4 +1,5 @@
-"""Error feedback: the update formula on a delayed quadratic, c = 0 is the base optimizer, exact DCP resume."""
+"""Error feedback: the update formula on a delayed quadratic and with Muon (in place), c = 0 is the base
+optimizer, exact DCP resume."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ platform.configure()
 
 from titan_async.model import ModelSection, build_model_spec  # noqa: E402
 from titan_async.optim import ErrorFeedback, Muon, RoutedOptimizersContainer  # noqa: E402
+from titan_async.optim.newton_schulz_batched import orthogonalize_batched  # noqa: E402
 from titan_async.optimizer import ErrorFeedbackSection, OptimizerSection  # noqa: E402
 
 CURVATURE = torch.tensor([1.0, 3.0, 10.0], dtype=torch.float64)
@@ -52,6 +54,47 @@ def test_delayed_quadratic_follows_the_formula(coefficient):
     for got, want in zip(iterates, expected):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
     assert optimizer.last_correction_norm is not None and optimizer.last_correction_norm > 0
+
+
+MUON = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1}
+
+
+def hand_written_muon_with_ef(weights: list[torch.Tensor], gradients: list[list[torch.Tensor]], coefficient: float):
+    """w_{t+1} = w_t - u_t - c (u_t - u_{t-1}) with Muon's u_t = lr (s O_t + wd w_t): O_t the
+    orthogonalised Nesterov momentum, s = 0.2 sqrt(max(rows, cols)). Returns the weights after each step."""
+    lr, mu, wd = MUON["lr"], MUON["momentum"], MUON["weight_decay"]
+    weights = [w.clone() for w in weights]
+    buffers = [torch.zeros_like(w) for w in weights]
+    previous: list[torch.Tensor | None] = [None] * len(weights)
+    history = []
+    for step_gradients in gradients:
+        for i, gradient in enumerate(step_gradients):
+            buffers[i] = buffers[i].lerp(gradient, 1 - mu)
+            orthogonal = orthogonalize_batched(gradient.lerp(buffers[i], mu)[None], 5, torch.float32)[0]
+            update = orthogonal * (lr * 0.2 * max(gradient.shape) ** 0.5) + weights[i] * (lr * wd)
+            correction = 0 if previous[i] is None else coefficient * (update - previous[i])
+            weights[i] = weights[i] - update - correction
+            previous[i] = update
+        history.append([w.clone() for w in weights])
+    return history
+
+
+@pytest.mark.parametrize("coefficient", [1.0, 0.5])
+def test_muon_in_place_follows_the_formula(coefficient):
+    """Muon hands its update over (`updates`), so the wrapper never steps it nor copies the weights."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(16, 8, dtype=torch.float64)), nn.Parameter(torch.randn(8, 12, dtype=torch.float64))]
+    start = [p.detach().clone() for p in params]
+    gradients = [[torch.randn_like(p) for p in params] for _ in range(4)]
+    muon = Muon(params, **MUON, ns_dtype="float32")
+    muon.step = lambda closure=None: pytest.fail("error feedback stepped Muon instead of applying its updates")
+    optimizer = ErrorFeedback(muon, coefficient=coefficient)
+    for step_gradients, expected in zip(gradients, hand_written_muon_with_ef(start, gradients, coefficient)):
+        for param, gradient in zip(params, step_gradients):
+            param.grad = gradient.clone()
+        optimizer.step()
+        for param, want in zip(params, expected):
+            torch.testing.assert_close(param.detach(), want, atol=1e-12, rtol=0)
 
 
 BASES: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {

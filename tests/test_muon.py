@@ -1,4 +1,5 @@
-"""Muon: Newton-Schulz band, fused QKV blocks, FSDP=2 equals one process, routing on pipeline stages."""
+"""Muon: Newton-Schulz band, batched iteration, fused QKV blocks, FLOP-balanced owners, FSDP=2 equals
+one process, routing on pipeline stages."""
 
 from __future__ import annotations
 
@@ -17,15 +18,18 @@ platform.configure()
 
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
-from torch.distributed.tensor import distribute_tensor  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor import Shard, distribute_tensor  # noqa: E402
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig  # noqa: E402
 from torchtitan.distributed.pipeline_parallel import _split_module  # noqa: E402
 
 from titan_async.model import ModelSection, build_model_spec  # noqa: E402
 from titan_async.optim import ErrorFeedback, Muon, RoutedOptimizersContainer  # noqa: E402
 from titan_async.optim.blocks import FusedQKVBlocks  # noqa: E402
-from titan_async.optim.full_matrix import assign_owners  # noqa: E402
-from titan_async.optim.newton_schulz import COEFFICIENTS, orthogonalize  # noqa: E402
+from titan_async.optim import newton_schulz_batched  # noqa: E402
+from titan_async.optim.full_matrix import assign_owners, map_full_matrices  # noqa: E402
+from titan_async.optim.newton_schulz import COEFFICIENTS, flops, gram_form, orthogonalize, resolve_dtype  # noqa: E402
+from titan_async.optim.newton_schulz_batched import orthogonalize_all  # noqa: E402
 from titan_async.optimizer import OptimizerSection  # noqa: E402
 
 NS_BAND = (0.68, 1.135)
@@ -64,6 +68,116 @@ def test_update_singular_values_lie_in_the_band(shape):
     assert NS_BAND[0] <= singular.min() and singular.max() <= NS_BAND[1], (singular.min(), singular.max())
     expected = scalar_newton_schulz(torch.linalg.svdvals(gradient.double()) / gradient.double().norm())
     torch.testing.assert_close(singular.sort().values, expected.sort().values, atol=1e-4, rtol=0)
+
+
+def reference_newton_schulz(matrix: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Keller Jordan's reference Muon iteration (`zeropower_via_newtonschulz5`), in float64."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = matrix.double()
+    transposed = x.size(0) > x.size(1)
+    if transposed:
+        x = x.T
+    x = x / (x.norm() + 1e-7)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if transposed else x
+
+
+def relative(result: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((result.double() - reference.double()).norm() / reference.double().norm())
+
+
+BATCH_SHAPES = [(48, 80), (80, 48), (48, 80), (64, 64), (16, 80), (80, 16), (40, 48)]
+"""Wide, tall (stacked with the wide ones of the transposed shape), repeated, square, K/V-like, and
+one only slightly wide: all but (64, 64) and (40, 48) take the Gram form in float32."""
+
+FORMS = {"as-muon-runs-it": {}, "standard-form": {"gram": False}, "batched-gemm": {"batched_gemm": True}}
+
+
+@pytest.mark.parametrize("symmetric_min_rows", [512, 16], ids=["whole-products", "half-block-products"])
+@pytest.mark.parametrize("options", FORMS.values(), ids=FORMS.keys())
+def test_batched_iteration_equals_one_at_a_time_and_the_reference(options, symmetric_min_rows, monkeypatch):
+    monkeypatch.setattr(newton_schulz_batched, "SYMMETRIC_MIN_ROWS", symmetric_min_rows)
+    torch.manual_seed(0)
+    matrices = [torch.randn(shape) for shape in BATCH_SHAPES]
+    for matrix, result in zip(matrices, orthogonalize_all(matrices, 5, torch.float32, **options)):
+        assert result.shape == matrix.shape and result.dtype == torch.float32
+        assert relative(result, orthogonalize(matrix)) < 1e-5
+        assert relative(result, reference_newton_schulz(matrix)) < 1e-5
+
+
+def test_gram_form_only_in_float32_where_it_saves_flops():
+    assert [gram_form(shape, 5, torch.float32) for shape in BATCH_SHAPES] == [True] * 3 + [False] + [True] * 2 + [False]
+    assert not gram_form((48, 80), 5, torch.bfloat16) and not gram_form((48, 80), 1, torch.float32)
+    for shape in [(48, 80), (64, 64), (40, 48)]:
+        standard = flops(shape, 5, torch.bfloat16)
+        assert (flops(shape, 5, torch.float32) < standard) == gram_form(shape, 5, torch.float32)
+    torch.manual_seed(0)
+    matrices = [torch.randn(shape) for shape in BATCH_SHAPES]
+    for matrix, result in zip(matrices, orthogonalize_all(matrices, 5, torch.bfloat16)):
+        assert relative(result, orthogonalize(matrix, dtype=torch.bfloat16)) < 1e-3
+
+
+def test_gram_form_accuracy_on_a_decaying_spectrum():
+    """The documented cost of the Gram form: rounding amplified on ill-conditioned inputs."""
+    torch.manual_seed(0)
+    left, _ = torch.linalg.qr(torch.randn(64, 64, dtype=torch.float64))
+    right, _ = torch.linalg.qr(torch.randn(256, 64, dtype=torch.float64))
+    matrix = (left * torch.logspace(0, -4, 64, dtype=torch.float64)) @ right.T
+    reference = reference_newton_schulz(matrix)
+    gram, standard = (orthogonalize_all([matrix.float()], 5, torch.float32, gram=g)[0] for g in (True, False))
+    assert relative(standard, reference) < 1e-5
+    assert 1e-5 < relative(gram, reference) < 1e-3
+
+
+def test_muon_runs_one_batched_iteration_per_block_shape(monkeypatch):
+    """Same-shape matrices, tall ones and the Q/K/V blocks of a fused matrix share stacks."""
+    stacks = []
+    batched = newton_schulz_batched.orthogonalize_batched
+
+    def recording(stack, *args, **kwargs):
+        stacks.append(tuple(stack.shape))
+        return batched(stack, *args, **kwargs)
+
+    monkeypatch.setattr(newton_schulz_batched, "orthogonalize_batched", recording)
+    shapes = {"wqkv": (24, 16), "wo": (8, 16), "w1": (16, 8), "w2": (8, 16), "w3": (16, 16)}
+    params = {name: nn.Parameter(torch.zeros(shape)) for name, shape in shapes.items()}
+    for param in params.values():
+        param.grad = torch.randn(param.shape)
+    qkv = FusedQKVBlocks(heads_per_kv=1, head_dim=4)
+    Muon([{"params": list(params.values()), "param_names": list(params)}], lr=0.1, blocks={"wqkv": qkv}).step()
+    assert sorted(stacks) == [(1, 16, 16), (6, 8, 16)]  # Q, K, V: 8 x 16 each
+
+
+def test_owners_are_balanced_by_newton_schulz_flops():
+    """A square matrix costs far more than a thin one of the same size: balancing by size would
+    put it with a thin one; by FLOPs it is alone."""
+    shapes = [(64, 64), (4, 1024), (4, 1024), (4, 1024)]
+    assert len({rows * cols for rows, cols in shapes}) == 1
+    costs = [flops(shape, 5, torch.bfloat16) for shape in shapes]
+    assert costs[0] == 5 * 6 * 64**3 and costs[1] == 5 * (4 * 4 * 4 * 1024 + 2 * 4**3)
+    assert flops((4, 1024), 5, torch.float32) == 4 * 4 * 4 * 1024 + 2 * 4**3 * 17
+    assert assign_owners(costs, 2) == [0, 1, 1, 1]
+    assert assign_owners([rows * cols for rows, cols in shapes], 2) == [0, 1, 0, 1]
+
+
+def test_muon_costs_are_the_flops_of_its_blocks():
+    param = nn.Parameter(torch.zeros(24, 16))
+    muon = Muon([{"params": [param], "param_names": ["wqkv"]}], lr=0.1, ns_steps=3, blocks={"wqkv": FusedQKVBlocks(1, 4)})
+    assert muon.newton_schulz_flops(param, muon.param_groups[0]) == flops((8, 16), 3, torch.float32) * 3
+
+
+def test_auto_ns_dtype_is_bfloat16_on_cuda_and_float32_elsewhere():
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("float32", torch.device("cuda")) == torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    torch.manual_seed(0)
+    gradient = torch.randn(24, 40)
+    assert torch.equal(muon_update(gradient), muon_update(gradient, ns_dtype="float32"))
+    with pytest.raises(ValueError, match="ns_dtype must be one of auto, float32, bfloat16, got 'float16'"):
+        Muon([nn.Parameter(gradient)], lr=0.1, ns_dtype="float16")
 
 
 def test_bfloat16_iteration_stays_close_to_float32():
@@ -111,14 +225,6 @@ def test_fused_qkv_blocks_are_orthogonalised_separately():
     assert [shape for _, shape, _ in muon.lr_scales(param, muon.param_groups[0])] == [(24, 32), (12, 32), (12, 32)]
 
 
-def test_owners_are_balanced_by_size():
-    sizes = [768 * 256, 256 * 256, 256 * 768, 256 * 256, 7 * 13, 768 * 256]
-    owners = assign_owners(sizes, 2)
-    loads = [sum(s for s, o in zip(sizes, owners) if o == rank) for rank in range(2)]
-    assert abs(loads[0] - loads[1]) <= max(sizes)
-    assert set(owners) == {0, 1}
-
-
 class ToyAttentionAndMlp(nn.Module):
     """Matrices of the shapes Muon meets: wide, tall (transposed inside Newton-Schulz), fused QKV,
     and row counts that do not split evenly over 2 ranks."""
@@ -142,32 +248,59 @@ def _muon_with_error_feedback(model: nn.Module) -> ErrorFeedback:
     return ErrorFeedback(muon, coefficient=1.0)
 
 
+def _check_flop_balanced_owners(rank: int) -> None:
+    """map_full_matrices: owners by FLOPs, one function call per rank over its owned and its
+    unsharded matrices, every rank's rows of the results back."""
+    mesh = init_device_mesh("cpu", (2,))
+    generator = torch.Generator().manual_seed(0)
+    full = [torch.randn(shape, generator=generator) for shape in [(64, 64), (4, 1024), (5, 1024), (4, 1024), (3, 7)]]
+    layouts = [distribute_tensor(m, mesh, [Shard(0)]) for m in full[:4]] + [full[4]]
+    parts = [layout.to_local() if i < 4 else layout for i, layout in enumerate(layouts)]
+    calls = []
+
+    def fn(indices: list[int], matrices: list[torch.Tensor]) -> list[torch.Tensor]:
+        calls.append(sorted(indices))
+        return [m * (i + 1) for i, m in zip(indices, matrices)]
+
+    local = map_full_matrices(parts, layouts, fn, costs=[flops(tuple(m.shape), 5, torch.bfloat16) for m in full])
+    assert calls == ([[0, 4]] if rank == 0 else [[1, 2, 3, 4]]), calls
+    for i, (matrix, rows) in enumerate(zip(full, local)):
+        expected = distribute_tensor(matrix, mesh, [Shard(0)]).to_local() if i < 4 else matrix
+        assert torch.equal(rows, expected * (i + 1)), i
+
+
+def _check_fsdp2_equals_single_process(rank: int) -> None:
+    torch.manual_seed(0)
+    reference = ToyAttentionAndMlp()
+    sharded = copy.deepcopy(reference)
+    fully_shard(sharded)
+    reference_opt, sharded_opt = _muon_with_error_feedback(reference), _muon_with_error_feedback(sharded)
+    for step in range(4):
+        torch.manual_seed(100 + step)
+        for (name, ref_param), shard_param in zip(reference.named_parameters(), sharded.parameters()):
+            gradient = torch.randn(ref_param.shape)
+            ref_param.grad = gradient
+            shard_param.grad = distribute_tensor(gradient, shard_param.device_mesh, shard_param.placements)
+        reference_opt.step()
+        sharded_opt.step()
+        for (name, ref_param), shard_param in zip(reference.named_parameters(), sharded.parameters()):
+            difference = (shard_param.full_tensor() - ref_param).abs().max().item()
+            assert difference < 1e-5, f"rank {rank} step {step} {name}: FSDP differs by {difference}"
+
+
 def _fsdp_worker(rank: int, init_file: str) -> None:
     platform.configure()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
-        torch.manual_seed(0)
-        reference = ToyAttentionAndMlp()
-        sharded = copy.deepcopy(reference)
-        fully_shard(sharded)
-        reference_opt, sharded_opt = _muon_with_error_feedback(reference), _muon_with_error_feedback(sharded)
-        for step in range(4):
-            torch.manual_seed(100 + step)
-            for (name, ref_param), shard_param in zip(reference.named_parameters(), sharded.parameters()):
-                gradient = torch.randn(ref_param.shape)
-                ref_param.grad = gradient
-                shard_param.grad = distribute_tensor(gradient, shard_param.device_mesh, shard_param.placements)
-            reference_opt.step()
-            sharded_opt.step()
-            for (name, ref_param), shard_param in zip(reference.named_parameters(), sharded.parameters()):
-                difference = (shard_param.full_tensor() - ref_param).abs().max().item()
-                assert difference < 1e-5, f"rank {rank} step {step} {name}: FSDP differs by {difference}"
+        _check_flop_balanced_owners(rank)
+        _check_fsdp2_equals_single_process(rank)
     finally:
         dist.destroy_process_group()
 
 
-def test_fsdp2_update_equals_single_process(tmp_path):
+def test_fsdp2_owners_by_flops_and_update_equals_single_process(tmp_path):
+    """One pair of processes: `_check_flop_balanced_owners`, then Muon + EF under FSDP2 against one process."""
     mp.spawn(_fsdp_worker, args=(str(tmp_path / "init"),), nprocs=2)
 
 

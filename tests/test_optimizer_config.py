@@ -45,7 +45,7 @@ def test_issue_toml_builds_muon_with_error_feedback():
     assert isinstance(config, RoutedOptimizersContainer.Config)
     assert config.muon_kwargs == {
         "lr": 0.02, "momentum": 0.95, "nesterov": True, "weight_decay": 0.1,
-        "ns_steps": 5, "ns_dtype": "float32", "lr_scaling": "match_rms_adamw",
+        "ns_steps": 5, "ns_dtype": "auto", "lr_scaling": "match_rms_adamw",
     }
     assert config.adamw_kwargs["lr"] == 3e-4
     assert config.error_feedback_coefficient == 1.0
@@ -98,7 +98,7 @@ def test_muon_rejects_a_non_matrix():
         ({"error_feedback": {"coefficient": 2.5}}, r"optimizer.error_feedback.coefficient must be in [0, 2], got 2.5"),
         ({"error_feedback": {"coefficient": -0.1}}, r"optimizer.error_feedback.coefficient must be in [0, 2]"),
         ({"name": "muon", "muon": {"lr_scaling": "spectral"}}, 'optimizer.muon.lr_scaling: expected one of "match_rms_adamw", "original"'),
-        ({"name": "muon", "muon": {"ns_dtype": "float16"}}, "optimizer.muon.ns_dtype: expected one of"),
+        ({"name": "muon", "muon": {"ns_dtype": "float16"}}, 'optimizer.muon.ns_dtype: expected one of "auto", "float32", "bfloat16"'),
         ({"muon": {"bogus": 1}}, "unknown key 'bogus'"),
     ],
     ids=[

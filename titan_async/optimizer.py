@@ -23,8 +23,8 @@ class MuonSection:
     """Orthogonalise the Nesterov look-ahead instead of the momentum buffer."""
     ns_steps: int = 5
     """Newton-Schulz iterations."""
-    ns_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Precision of the Newton-Schulz iterations."""
+    ns_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Precision of the Newton-Schulz iterations; auto: bfloat16 on CUDA, float32 elsewhere."""
     lr_scaling: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
     """Per-matrix lr multiplier: match_rms_adamw = 0.2 sqrt(max(rows, cols)); original = sqrt(max(1, rows/cols))."""
     adamw_lr: float = 8e-4

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -17,6 +17,16 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+@runtime_checkable
+class UpdateOptimizer(Protocol):
+    """An optimizer whose step is W -= u for each parameter, with u available before it is applied."""
+
+    def updates(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, u) for every parameter the step changes, u in its local layout; optimizer
+        state advances as in a step, weights stay as they are."""
+        ...
+
+
 class ErrorFeedback(Optimizer):
     """`base` with error feedback: w_{t+1} = w_t - u_t - c (u_t - u_{t-1}).
 
@@ -25,8 +35,10 @@ class ErrorFeedback(Optimizer):
     and keeps per parameter `ef_previous_update` (u_{t-1}, shaped like the parameter) and
     `ef_steps` in that state, so `base`'s state dict and torchtitan's flat DCP state carry them.
     A step where every group's lr is 0 (torchtitan's `init_optim_state`) only creates that
-    state. Parameters without a gradient are left alone. During a step the weights are copied
-    once (to measure u_t); between steps the only extra memory is `ef_previous_update`.
+    state. Parameters without a gradient are left alone. A base with `updates()` (`Muon`, see
+    `UpdateOptimizer`) hands u_t over before touching the weights, and the whole step is done in
+    place, with no copy of the weights; any other base steps first, and its weights are copied
+    once per step to measure u_t. Between steps the only extra memory is `ef_previous_update`.
     `last_correction_norm` is the L2 norm of the last step's correction c (u_t - u_{t-1})
     over this rank's local shards (None before the first step).
     """
@@ -71,19 +83,34 @@ class ErrorFeedback(Optimizer):
             loss = self.base.step(closure)
             self._create_state(params)
             return loss
+        if isinstance(self.base, UpdateOptimizer):
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            self._correct(self.base.updates(), applied=False)
+            return loss
         weights = [_local(p) for p in params]
         updates = [w.clone() for w in weights]
         loss = self.base.step(closure)
-        self._create_state(params)
-        squared_norms = []
-        for param, weight, update in zip(params, weights, updates):
-            state = self.state[param]
+        for weight, update in zip(weights, updates):
             update.sub_(weight)
+        self._correct(list(zip(params, updates)), applied=True)
+        return loss
+
+    def _correct(self, updates: list[tuple[torch.Tensor, torch.Tensor]], applied: bool) -> None:
+        """Subtract u_t (unless `applied`) and c (u_t - u_{t-1}) from each parameter; keep u_t."""
+        self._create_state([param for param, _ in updates])
+        squared_norms = []
+        for param, update in updates:
+            state = self.state[param]
+            weight = _local(param)
             correction = _local(state[PREVIOUS_UPDATE])
             correction.sub_(update).mul_(-self.coefficient * state[STEPS].clamp(max=1))
+            if not applied:
+                weight.sub_(update)
             weight.sub_(correction)
             squared_norms.append(correction.float().square().sum())
             correction.copy_(update)
             state[STEPS] += 1
         self.last_correction_norm = torch.stack(squared_norms).sum().sqrt() if squared_norms else None
-        return loss

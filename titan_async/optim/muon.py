@@ -12,10 +12,11 @@ from torch.optim import Optimizer
 
 from titan_async.optim.blocks import MatrixBlocks, WholeMatrix
 from titan_async.optim.full_matrix import map_full_matrices
-from titan_async.optim.newton_schulz import orthogonalize
+from titan_async.optim.newton_schulz import NS_DTYPES, flops, resolve_dtype
+from titan_async.optim.newton_schulz_batched import orthogonalize_all
 
 LrScaling = Literal["original", "match_rms_adamw"]
-NsDtype = Literal["float32", "bfloat16"]
+NsDtype = Literal["auto", "float32", "bfloat16"]
 
 LR_SCALING_RULES: dict[str, Callable[[int, int], float]] = {
     "original": lambda rows, cols: math.sqrt(max(1.0, rows / cols)),
@@ -38,9 +39,14 @@ class Muon(Optimizer):
 
     For a parameter W with gradient G and momentum buffer B:
     B <- mu B + (1 - mu) G; M = (1 - mu) G + mu B with Nesterov, else M = B;
-    W <- (1 - lr wd) W - lr * O, where O's blocks (see `blocks`) are each
+    W <- W - u with u = lr (O + wd W), where O's blocks (see `blocks`) are each
     orthogonalize(M_block) * lr_scale(lr_scaling, block shape). O is always computed on the
-    full logical matrix (see `map_full_matrices`), never per shard.
+    full logical matrix (see `map_full_matrices`), never per shard: each matrix on one owner
+    rank of its FSDP group, owners balanced by Newton-Schulz FLOPs, and each rank runs one
+    batched iteration per distinct block shape over all the blocks it holds (Q, K and V of a
+    fused matrix are blocks like any other; see `orthogonalize_all`, which in float32 takes the
+    cheaper Gram form for wide blocks). ns_dtype "auto" iterates in bfloat16 on CUDA and in
+    float32 elsewhere.
 
     `blocks` maps parameter names (the groups' `param_names`) to their block layout;
     other parameters are one block.
@@ -55,7 +61,7 @@ class Muon(Optimizer):
         nesterov: bool = True,
         weight_decay: float = 0.0,
         ns_steps: int = 5,
-        ns_dtype: NsDtype = "float32",
+        ns_dtype: NsDtype = "auto",
         lr_scaling: LrScaling = "match_rms_adamw",
         blocks: Mapping[str, MatrixBlocks] | None = None,
     ) -> None:
@@ -65,8 +71,8 @@ class Muon(Optimizer):
             raise ValueError(f"Muon momentum must be in [0, 1), got {momentum}")
         if ns_steps < 1:
             raise ValueError(f"Muon ns_steps must be >= 1, got {ns_steps}")
-        if ns_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"Muon ns_dtype must be float32 or bfloat16, got {ns_dtype!r}")
+        if ns_dtype not in NS_DTYPES:
+            raise ValueError(f"Muon ns_dtype must be one of {', '.join(NS_DTYPES)}, got {ns_dtype!r}")
         if lr_scaling not in LR_SCALING_RULES:
             raise ValueError(f"Muon lr_scaling must be one of {', '.join(LR_SCALING_RULES)}, got {lr_scaling!r}")
         defaults = dict(
@@ -94,23 +100,35 @@ class Muon(Optimizer):
         shapes = blocks.shapes(tuple(param.shape))
         return [(name, shape, lr_scale(group["lr_scaling"], shape)) for name, shape in zip(blocks.names, shapes)]
 
-    def _scaled_orthogonal(self, matrix: torch.Tensor, param: torch.Tensor, group: Mapping[str, Any]) -> torch.Tensor:
-        blocks = self.blocks[param]
-        dtype = getattr(torch, group["ns_dtype"])
-        return blocks.merge(
-            [
-                orthogonalize(block, group["ns_steps"], dtype) * lr_scale(group["lr_scaling"], tuple(block.shape))
-                for block in blocks.split(matrix)
-            ]
-        )
+    def newton_schulz_flops(self, param: torch.Tensor, group: Mapping[str, Any]) -> int:
+        """FLOPs of orthogonalising the blocks of `param` (full logical shape) once."""
+        dtype = resolve_dtype(group["ns_dtype"], param.device)
+        return sum(flops(shape, group["ns_steps"], dtype) for shape in self.blocks[param].shapes(tuple(param.shape)))
+
+    def _orthogonal_updates(
+        self, matrices: list[torch.Tensor], params: list[torch.Tensor], groups: list[Mapping[str, Any]]
+    ) -> list[torch.Tensor]:
+        """lr * O for each full matrix; the blocks of all of them go through `orthogonalize_all`
+        together, per (ns_steps, iteration dtype)."""
+        splits = [self.blocks[param].split(matrix) for matrix, param in zip(matrices, params)]
+        settings: dict[tuple[int, torch.dtype], list[tuple[int, int]]] = {}
+        for k, (matrix, group) in enumerate(zip(matrices, groups)):
+            key = (group["ns_steps"], resolve_dtype(group["ns_dtype"], matrix.device))
+            settings.setdefault(key, []).extend((k, b) for b in range(len(splits[k])))
+        for (steps, dtype), members in settings.items():
+            for (k, b), result in zip(members, orthogonalize_all([splits[k][b] for k, b in members], steps, dtype)):
+                scale = groups[k]["lr"] * lr_scale(groups[k]["lr_scaling"], tuple(result.shape))
+                splits[k][b] = result * scale
+        return [self.blocks[param].merge(blocks) for param, blocks in zip(params, splits)]
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        params, groups, updates = [], [], []
+    def updates(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, u) for every parameter with a gradient, u in the parameter's local layout.
+
+        Advances the momentum buffers and leaves the weights alone: `step` is W -= u. Every
+        rank of an FSDP group must call this at the same time (it exchanges the matrices).
+        """
+        params, groups, momenta = [], [], []
         for group in self.param_groups:
             momentum = group["momentum"]
             for param in group["params"]:
@@ -121,15 +139,28 @@ class Muon(Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(param.grad)
                 grad, buffer = _local(param.grad), _local(state["momentum_buffer"])
                 buffer.lerp_(grad, 1 - momentum)
-                updates.append(grad.lerp(buffer, momentum) if group["nesterov"] else buffer)
+                momenta.append(grad.lerp(buffer, momentum) if group["nesterov"] else buffer)
                 params.append(param)
                 groups.append(group)
-        orthogonal = map_full_matrices(
-            updates, params, lambda i, matrix: self._scaled_orthogonal(matrix, params[i], groups[i])
+        updates = map_full_matrices(
+            momenta,
+            params,
+            lambda indices, matrices: self._orthogonal_updates(
+                matrices, [params[i] for i in indices], [groups[i] for i in indices]
+            ),
+            costs=[self.newton_schulz_flops(param, group) for param, group in zip(params, groups)],
         )
-        for param, group, update in zip(params, groups, orthogonal):
-            weights = _local(param)
+        for param, group, update in zip(params, groups, updates):
             if group["weight_decay"]:
-                weights.mul_(1 - group["lr"] * group["weight_decay"])
-            weights.add_(update, alpha=-group["lr"])
+                update.add_(_local(param), alpha=group["lr"] * group["weight_decay"])
+        return list(zip(params, updates))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for param, update in self.updates():
+            _local(param).sub_(update)
         return loss
