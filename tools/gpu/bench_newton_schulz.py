@@ -7,9 +7,9 @@ as the optimizer does it; the fused QKV matrix gives Q, K and V). Each distinct 
 timed through `titan_async.optim.newton_schulz.orthogonalize` in bfloat16, float32 (torch's
 default: no TF32) and float32 with TF32 matrix multiplies, with CUDA events: min / median / max
 over --reps calls after --warmup calls, rotating over three random float32 inputs (as the
-momentum is stored). `orthogonalize` takes 2-D matrices only, so the batched time comes from a
-3-D transcription of the same iteration over the same-shape blocks of one pipeline stage; its
-result is compared with the per-matrix function's. Totals per optimizer step: the whole model,
+momentum is stored). The batched time is `newton_schulz_batched.orthogonalize_batched` (as Muon
+runs it) over the same-shape blocks of one pipeline stage; its result is compared with the
+per-matrix function's. Totals per optimizer step: the whole model,
 one stage of --stage-layers layers on one GPU, and the busiest of --fsdp ranks of that stage
 (each full matrix is orthogonalised on one owner rank, as `map_full_matrices` assigns them).
 Runs on CPU too (host timer), for trying the script with --small.
@@ -36,7 +36,8 @@ platform.configure()
 from titan_async.config.run_config import load_run_config  # noqa: E402
 from titan_async.model import build_model_spec  # noqa: E402
 from titan_async.optim.full_matrix import assign_owners  # noqa: E402
-from titan_async.optim.newton_schulz import _EPS, COEFFICIENTS, orthogonalize  # noqa: E402
+from titan_async.optim.newton_schulz import orthogonalize  # noqa: E402
+from titan_async.optim.newton_schulz_batched import orthogonalize_batched  # noqa: E402
 from titan_async.optim.routing import route_parameters  # noqa: E402
 
 PRECISIONS = {"bfloat16": (torch.bfloat16, False), "float32": (torch.float32, False), "tf32": (torch.float32, True)}
@@ -108,18 +109,6 @@ def time_ms(fn, inputs: list[torch.Tensor], warmup: int, reps: int) -> list[floa
             fn(inputs[i % len(inputs)])
             times.append(1e3 * (time.perf_counter() - begin))
     return times
-
-
-def orthogonalize_batched(stack: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
-    """`orthogonalize`'s iteration on a (batch, rows, cols) stack with rows <= cols, one norm per matrix."""
-    a, b, c = COEFFICIENTS
-    x = stack.to(dtype)
-    x = x / x.float().norm(dim=(1, 2), keepdim=True).clamp(min=_EPS).to(dtype)
-    for _ in range(steps):
-        gram = x @ x.mT
-        polynomial = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.baddbmm(x, polynomial, x, beta=a)
-    return x.to(stack.dtype)
 
 
 def summary(times: list[float], work: float) -> dict[str, float]:
