@@ -154,3 +154,9 @@ def test_non_positive_process_counts_are_refused(capsys, argument):
 def test_non_positive_counts_in_the_config_are_refused(capsys, key, value):
     err = fail(capsys, "train", *sets(f"{key}={value}"))
     assert err.endswith(f"{key}: expected a positive integer{', or -1' if key == 'training.global_batch_size' else ''}, got {value}")
+
+
+def test_zbv_with_validation_is_refused_before_launch(capsys):
+    err = fail(capsys, "train", "--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--nproc-per-node", "2",
+               *sets("parallelism.pipeline_parallel_schedule=ZBVZeroBubble"))
+    assert "parallelism.pipeline_parallel_schedule = 'ZBVZeroBubble' cannot validate" in err and "validation.enable = false" in err

@@ -128,6 +128,11 @@ class RunConfig:
                     f"{self.source}: training.local_batch_size ({t.local_batch_size}) is not divisible into "
                     f"microbatches of parallelism.pipeline_parallel_microbatch_size ({p.pipeline_parallel_microbatch_size})"
                 )
+        if p.pipeline_parallel_degree > 1 and p.pipeline_parallel_schedule.lower() == "zbvzerobubble" and self.validation.enable:
+            raise UserError(
+                f"{self.source}: parallelism.pipeline_parallel_schedule = 'ZBVZeroBubble' cannot validate (torch's "
+                "ZBV schedule fails in eval: its V-shaped stage hand-off needs a backward); set validation.enable = false"
+            )
         dp = self.data_parallel_degree(world_size)
         problem = check_pipeline(t, p, dp, self.microbatches())
         if problem:
