@@ -104,6 +104,13 @@ def test_negative_max_restarts_is_one_line(capsys, tmp_path):
     assert code == 2 and err.strip() == "titan-async: --max-restarts -1: expected a count >= 0"
 
 
+def test_max_restarts_under_torchrun_belongs_to_torchrun(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    code, _, err = cli_in_process(capsys, "resume", "--run-dir", str(tmp_path), "--max-restarts", "2")
+    assert code == 2 and err.strip() == (
+        "titan-async: --max-restarts 2: under torchrun or Slurm, pass it to torchrun, which restarts the workers")
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A single-process run of 4 steps with checkpoints step-1 to step-4."""

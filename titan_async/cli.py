@@ -158,8 +158,12 @@ def _warning(message: str) -> None:
 
 
 def _check_max_restarts(count: int) -> None:
+    from titan_async import launch
+
     if count < 0:
         raise UserError(f"--max-restarts {count}: expected a count >= 0")
+    if count and launch.launched_externally():
+        raise UserError(f"--max-restarts {count}: under torchrun or Slurm, pass it to torchrun, which restarts the workers")
 
 
 def _launch(directory: Path, nproc: int, verbose: bool, run, max_restarts: int) -> int:

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 from titan_async import worker
-from titan_async.errors import UserError
 
 
 def launched_externally() -> bool:
@@ -85,14 +84,12 @@ def run(run_dir: Path, nproc_per_node: int, verbose: bool, run_config=None, max_
     """Train the run in `run_dir` on this node; returns the exit status.
 
     Under an external launcher this process is one worker and trains `run_config`
-    (every rank resolved it from the same command line) instead of re-reading the file;
-    restarts are then that launcher's (torchrun --max-restarts). Otherwise, with
+    (every rank resolved it from the same command line) instead of re-reading the file, and
+    restarts are that launcher's (torchrun --max-restarts). Otherwise, with
     `max_restarts` > 0, torch's elastic agent restarts every worker up to that many times
     after one fails, and each resumes from the run's latest intact checkpoint.
     """
     if launched_externally():
-        if max_restarts:
-            raise UserError("--max-restarts: under torchrun or Slurm, pass it to torchrun, which restarts the workers")
         print(describe_process(), flush=True)
         return worker.train(run_dir, verbose, run_config)
     if nproc_per_node == 1 and not max_restarts:
