@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from contextlib import nullcontext
 from importlib import resources
 from pathlib import Path
 
@@ -43,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     def launch_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--nproc-per-node", type=positive_int, help="local worker processes (torch elastic launcher)")
         p.add_argument("--verbose", action="store_true", help="show torchtitan's log on the console")
+        p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                       help="restart the workers up to N times after one fails, from the latest intact checkpoint (default: 0)")
 
     train = commands.add_parser("train", help="start a training run")
     config_args(train)
@@ -115,45 +118,76 @@ def _train(args) -> int:
     from titan_async.config.assemble import trainer_config
     from titan_async.config.run_config import load_run_config, render_toml
 
+    _check_max_restarts(args.max_restarts)
     path = _config_path(args.config)
     run = load_run_config(path, args.set)
     nproc = args.nproc_per_node or launch.local_workers()
     run.check(launch.world_size(nproc))
     directory = args.run_dir or runs.new_run_dir(path.stem, launch.job_id())
-    if launch.is_coordinator():
-        runs.claim(directory, args.overwrite)
-    trainer_config(run, directory, launch.world_size(nproc))
-    if launch.is_coordinator():
-        runs.save_launch(directory, render_toml(run), nproc)
-        print(f"run directory: {directory}", flush=True)
-    return _launch(directory, nproc, args.verbose, run)
+    if launch.restart_count():  # torchrun restarted this worker: the run continues from its checkpoint
+        return _launch(directory, nproc, args.verbose, run, args.max_restarts)
+    with _coordinator_lock(directory):
+        if launch.is_coordinator():
+            runs.claim(directory, args.overwrite)
+        trainer_config(run, directory, launch.world_size(nproc))
+        if launch.is_coordinator():
+            runs.save_launch(directory, render_toml(run), nproc)
+            print(f"run directory: {directory}", flush=True)
+        return _launch(directory, nproc, args.verbose, run, args.max_restarts)
 
 
 def _resume(args) -> int:
     from titan_async import launch, run_dir as runs
+    from titan_async.checkpoints import resume_point
     from titan_async.config.assemble import check_resumable, trainer_config
     from titan_async.config.run_config import load_run_config, render_toml
 
+    _check_max_restarts(args.max_restarts)
     settings = runs.load_launch(args.run_dir)
-    checkpoints = runs.complete_checkpoints(args.run_dir)
-    if not checkpoints:
-        raise UserError(f"--run-dir {args.run_dir}: no complete checkpoint to resume from (checkpoint/step-N/.metadata)")
-    nproc = args.nproc_per_node or settings["nproc_per_node"]
-    run = load_run_config(args.run_dir / "config.toml", args.set)
-    check_resumable(load_run_config(args.run_dir / "config.toml", []), run)
-    run.check(launch.world_size(nproc))
-    trainer_config(run, args.run_dir, launch.world_size(nproc))
-    if launch.is_coordinator():
-        runs.save_launch(args.run_dir, render_toml(run), nproc)
-        runs.clear_stop(args.run_dir)
-        print(f"resuming {args.run_dir} from {checkpoints[-1].name}", flush=True)
-    return _launch(args.run_dir, nproc, args.verbose, run)
+    with _coordinator_lock(args.run_dir):
+        point = resume_point(args.run_dir, warn=_warning if launch.is_coordinator() else lambda message: None)
+        if point is None:
+            raise UserError(f"--run-dir {args.run_dir}: no complete checkpoint to resume from (checkpoint/step-N/.metadata)")
+        nproc = args.nproc_per_node or settings["nproc_per_node"]
+        run = load_run_config(args.run_dir / "config.toml", args.set)
+        check_resumable(load_run_config(args.run_dir / "config.toml", []), run)
+        run.check(launch.world_size(nproc))
+        trainer_config(run, args.run_dir, launch.world_size(nproc))
+        if launch.is_coordinator():
+            runs.save_launch(args.run_dir, render_toml(run), nproc)
+            runs.clear_stop(args.run_dir)
+            print(f"resuming {args.run_dir} from {point[1].name}", flush=True)
+        return _launch(args.run_dir, nproc, args.verbose, run, args.max_restarts)
 
 
-def _launch(directory: Path, nproc: int, verbose: bool, run) -> int:
+def _coordinator_lock(directory: Path):
+    """The run directory's lock (titan_async.run_lock) in the process that writes the run
+    directory; none in other ranks, nor in workers torchrun restarted (the first attempt took it)."""
+    from titan_async import launch
+    from titan_async.run_lock import run_dir_lock
+
+    if launch.is_coordinator() and not launch.restart_count():
+        return run_dir_lock(directory)
+    return nullcontext()
+
+
+def _warning(message: str) -> None:
+    print(f"titan-async: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _check_max_restarts(count: int) -> None:
+    from titan_async import launch
+
+    if count < 0:
+        raise UserError(f"--max-restarts {count}: expected a count >= 0")
+    if count and launch.launched_externally():
+        raise UserError(f"--max-restarts {count}: under torchrun or Slurm, pass it to torchrun, which restarts the workers")
+
+
+def _launch(directory: Path, nproc: int, verbose: bool, run, max_restarts: int) -> int:
     from titan_async import launch, run_dir as runs
 
-    status = launch.run(directory, nproc, verbose, run)
+    status = launch.run(directory, nproc, verbose, run, max_restarts)
     if not launch.is_coordinator():
         return status
     _draw_pipeline_trace(directory)

@@ -62,24 +62,48 @@ def become_single_process() -> None:
     )
 
 
-def run(run_dir: Path, nproc_per_node: int, verbose: bool, run_config=None) -> int:
+def restart_count() -> int:
+    """How many times torch's elastic agent has restarted this worker (0 on the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def exit_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux; elsewhere nothing), so
+    that killing a launcher ends its whole run instead of leaving workers behind."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before the call
+        os._exit(1)
+
+
+def run(run_dir: Path, nproc_per_node: int, verbose: bool, run_config=None, max_restarts: int = 0) -> int:
     """Train the run in `run_dir` on this node; returns the exit status.
 
     Under an external launcher this process is one worker and trains `run_config`
-    (every rank resolved it from the same command line) instead of re-reading the file.
+    (every rank resolved it from the same command line) instead of re-reading the file, and
+    restarts are that launcher's (torchrun --max-restarts). Otherwise, with
+    `max_restarts` > 0, torch's elastic agent restarts every worker up to that many times
+    after one fails, and each resumes from the run's latest intact checkpoint.
     """
     if launched_externally():
         print(describe_process(), flush=True)
         return worker.train(run_dir, verbose, run_config)
-    if nproc_per_node == 1:
+    if nproc_per_node == 1 and not max_restarts:
         become_single_process()
         return worker.train(run_dir, verbose)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc_per_node}", "--tee=0",
+        f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}", "--tee=0",
         "-m", "titan_async.worker", str(run_dir),
     ] + (["--verbose"] if verbose else [])
-    child = subprocess.Popen(command)
+    # Restarted workers would read the first attempt's gloo addresses from the agent's shared
+    # store and fail to connect; with their own store each attempt starts clean.
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if max_restarts else None
+    child = subprocess.Popen(command, env=env, preexec_fn=exit_with_parent)
 
     def forward(signum: int, frame) -> None:
         child.send_signal(signum)

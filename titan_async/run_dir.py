@@ -23,19 +23,6 @@ def new_run_dir(config_name: str, job_id: str | None = None, root: Path = Path("
     return root / f"{config_name}-{job_id or time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """Checkpoints whose DCP metadata was written (the last file of a save), oldest first."""
-    folder = run_dir / CHECKPOINT_DIR
-    if not folder.is_dir():
-        return []
-    steps = []
-    for path in folder.iterdir():
-        match = re.fullmatch(r"step-(\d+)", path.name)
-        if match and (path / ".metadata").is_file():
-            steps.append((int(match.group(1)), path))
-    return [path for _, path in sorted(steps)]
-
-
 def checkpoint_step(checkpoint: Path) -> int:
     """N of a complete checkpoint directory RUN/checkpoint/step-N; UserError otherwise."""
     match = re.fullmatch(r"step-(\d+)", checkpoint.name)

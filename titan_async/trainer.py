@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
-from torchtitan.components.checkpointer.base import LR_SCHEDULER, OPTIMIZER
+from torchtitan.components.checkpointer.base import LR_SCHEDULER, MODEL, OPTIMIZER, ModelWrapper
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
@@ -42,7 +42,7 @@ from titan_async.pipeline.schedules import StreamingSchedule
 from titan_async.pipeline.stream import StreamEngine
 from titan_async.pipeline.trace import Timeline
 from titan_async.pipeline.transport import LocalTransport
-from titan_async.pipeline.versions import OneStepDelay, make_policy, two_versions
+from titan_async.pipeline.versions import OneStepDelay, TwoVersions, make_policy, two_versions
 
 
 def _names(model: torch.nn.Module) -> list[str]:
@@ -84,6 +84,18 @@ class WeightVersionState(Stateful):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for stage, (policy, names) in self.stages.items():
             policy.load_state_dict(state_dict[f"stage{stage}"], names, self.trainer.step)
+
+
+class LiveModelState(ModelWrapper):
+    """torchtitan's model state for checkpoints, without its cache of the parameters' tensors.
+
+    The cache assumes each parameter keeps its storage and copies the live values into the
+    cached tensor when it does not; `TwoVersions` switches parameters between two buffers, so
+    that copy would overwrite the stashed weight version with the latest one at every save
+    where the other buffer is live."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._get_state_dict()
 
 
 class StopRequest:
@@ -156,6 +168,8 @@ class AsyncTrainer(Trainer):
         policies = self._attach_weight_policies()
         if policies and self.checkpointer.enable:
             self.checkpointer.states["weight_versions"] = WeightVersionState(policies, self)
+            if any(isinstance(policy, TwoVersions) for policy, _ in policies.values()):
+                self.checkpointer.states[MODEL] = LiveModelState(self.model_parts)
 
     def _attach_weight_policies(self) -> dict[int, tuple[Any, list[str]]]:
         """Stage -> (weight policy, parameter names) of a streaming schedule, its emulation,

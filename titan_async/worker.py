@@ -6,13 +6,14 @@ Started in-process for a single local worker, or by torch's elastic launcher
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 import warnings
 from pathlib import Path
 
-from titan_async import comm_log, platform, run_dir as runs
+from titan_async import checkpoints, comm_log, platform, run_dir as runs
 from titan_async.platform import DropMessages
 
 
@@ -43,11 +44,37 @@ def _setup_logging(run_dir: Path, verbose: bool) -> None:
     root.addFilter(DropMessages("model.safetensors.index.json not found", "Pipeline Parallel loss is not visible"))
 
 
+def _resume_point(run_dir: Path, run):
+    """`run` set to load the run's latest intact checkpoint (torchtitan would take the latest
+    with a .metadata file), unless `checkpoint.load_step` names one. After an elastic restart
+    rank 0 logs the damaged checkpoints it skips, the step it resumes from and the steps lost."""
+    from titan_async.launch import restart_count
+
+    if not run.checkpoint.enable or run.checkpoint.load_step != -1:
+        return run
+    restart = restart_count()
+    log = logging.getLogger("titan_async")
+    announce = restart > 0 and os.environ.get("RANK", "0") == "0"
+    point = checkpoints.resume_point(run_dir, log.warning if announce else lambda message: None)
+    step = point[0] if point else 0
+    if announce:
+        lost = max(checkpoints.last_logged_step(run_dir) - step, 0)
+        origin = f"resumed from step {step} ({point[1]})" if point else "no checkpoint yet, started from step 0"
+        log.warning(f"restart {restart}: {origin}; {lost} step{'s' * (lost != 1)} lost")
+    if point is None:
+        return run
+    return dataclasses.replace(run, checkpoint=dataclasses.replace(run.checkpoint, load_step=step))
+
+
 def train(run_dir: Path, verbose: bool = False, run=None) -> int:
-    """Train the run in `run_dir` from its latest checkpoint (if any); returns the exit status.
+    """Train the run in `run_dir` from its latest intact checkpoint (if any); returns the exit status.
 
     `run` is the resolved RunConfig; None reads the run directory's config.toml.
     """
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        from titan_async.launch import exit_with_parent
+
+        exit_with_parent()
     platform.configure()
     comm_log.install_from_environment()
     _setup_logging(run_dir, verbose)
@@ -59,7 +86,7 @@ def train(run_dir: Path, verbose: bool = False, run=None) -> int:
     from titan_async.config.assemble import trainer_config
     from titan_async.config.run_config import load_run_config
 
-    run = run or load_run_config(run_dir / runs.CONFIG_FILE)
+    run = _resume_point(run_dir, run or load_run_config(run_dir / runs.CONFIG_FILE))
     trainer = trainer_config(run, run_dir, int(os.environ.get("WORLD_SIZE", "1"))).build()
     if dist.get_rank() == 0:
         runs.record_world_size(run_dir, dist.get_world_size())

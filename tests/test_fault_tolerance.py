@@ -1,0 +1,185 @@
+"""Lost workers, damaged checkpoints and concurrent runs: elastic restarts, integrity checks, the run lock."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import CONFIGS, REPO, TINY, cli_in_process, fresh_environment, losses, run_cli, sets
+from titan_async.checkpoints import damage
+
+PP_2BW = ("--config", str(CONFIGS / "debug_cpu_pp2_2bw.toml"), "--nproc-per-node", "2",
+          *sets(*TINY, "training.steps=10", "checkpoint.interval=2"))
+SINGLE = ("--config", str(CONFIGS / "debug_cpu.toml"), *sets(*TINY, "checkpoint.interval=1", "checkpoint.keep_latest_k=0"))
+
+
+def start(*args: str, output: Path) -> subprocess.Popen:
+    """`titan-async ARGS` in the background, its stdout and stderr in `output`."""
+    return subprocess.Popen([sys.executable, "-m", "titan_async.cli", *args], cwd=REPO, env=fresh_environment(),
+                            stdout=output.open("w"), stderr=subprocess.STDOUT)
+
+
+def wait_for(path: Path, process: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert process.poll() is None and time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.005)
+
+
+def _stat(pid: int) -> list[str] | None:
+    """State, parent, ... of a process from /proc/PID/stat; None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def alive(pid: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z"
+
+
+def descendants(pid: int) -> list[int]:
+    """Process ids below `pid` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := _stat(int(entry.name))):
+            children.setdefault(int(stat[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def worker_of_rank(launcher: int, rank: int) -> int:
+    for pid in descendants(launcher):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and b"titan_async.worker" in command:
+            return pid
+    raise AssertionError(f"no worker of rank {rank} under process {launcher}")
+
+
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory):
+    """A PP = 2 PipeDream2BW run whose rank-1 worker is SIGKILLed after the step-6 checkpoint,
+    with --max-restarts 1, and the same run uninterrupted: (run dir, its output, baseline dir)."""
+    root = tmp_path_factory.mktemp("restart")
+    baseline = root / "baseline"
+    run_cli("train", "--run-dir", str(baseline), *PP_2BW)
+    run_dir, output = root / "restarted", root / "restarted.out"
+    launcher = start("train", "--run-dir", str(run_dir), "--max-restarts", "1", *PP_2BW, output=output)
+    wait_for(run_dir / "checkpoint" / "step-6" / ".metadata", launcher)
+    os.kill(worker_of_rank(launcher.pid, 1), signal.SIGKILL)
+    assert launcher.wait(timeout=300) == 0, output.read_text()[-5000:]
+    return run_dir, output.read_text(), baseline
+
+
+def test_restarted_run_finishes_with_the_uninterrupted_losses(restarted):
+    run_dir, output, baseline = restarted
+    resumed = re.search(r"restart 1: resumed from step (\d+) \(\S+\); (\d+) steps? lost", output)
+    assert resumed, output[-5000:]
+    assert int(resumed.group(1)) >= 6
+    expected = losses(baseline)
+    assert sorted(expected) == list(range(1, 11))
+    assert losses(run_dir) == expected  # exact: the rows logged after the restart replace earlier ones
+
+
+def test_negative_max_restarts_is_one_line(capsys, tmp_path):
+    code, _, err = cli_in_process(capsys, "train", "--run-dir", str(tmp_path / "run"), "--max-restarts", "-1", *SINGLE)
+    assert code == 2 and err.strip() == "titan-async: --max-restarts -1: expected a count >= 0"
+
+
+def test_max_restarts_under_torchrun_belongs_to_torchrun(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    code, _, err = cli_in_process(capsys, "resume", "--run-dir", str(tmp_path), "--max-restarts", "2")
+    assert code == 2 and err.strip() == (
+        "titan-async: --max-restarts 2: under torchrun or Slurm, pass it to torchrun, which restarts the workers")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A single-process run of 4 steps with checkpoints step-1 to step-4."""
+    run_dir = tmp_path_factory.mktemp("damage") / "run"
+    run_cli("train", "--run-dir", str(run_dir), *SINGLE, *sets("training.steps=4"))
+    return run_dir
+
+
+def checkpoint(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoint" / f"step-{step}"
+
+
+def test_damage_is_found_from_metadata_and_sizes(saved, tmp_path):
+    intact = checkpoint(saved, 4)
+    assert damage(intact) is None
+    for name, harm, reason in [
+        ("truncated", lambda c: os.truncate(c / "__0_0.distcp", 100), r"__0_0.distcp truncated \(100 of \d+ bytes\)"),
+        ("missing", lambda c: (c / "__0_0.distcp").unlink(), r"__0_0.distcp missing"),
+        ("garbled", lambda c: (c / ".metadata").write_bytes(b"not a pickle"), r"unreadable .metadata \(\w+\)"),
+        ("unfinished", lambda c: (c / ".metadata").unlink(), r"no .metadata: the save did not finish"),
+    ]:
+        copy = shutil.copytree(intact, tmp_path / name)
+        harm(copy)
+        assert re.fullmatch(reason, damage(copy) or ""), name
+
+
+def test_every_checkpoint_damaged_is_one_line(saved, capsys, tmp_path):
+    run_dir = shutil.copytree(saved, tmp_path / "run")
+    for step in range(1, 5):
+        (checkpoint(run_dir, step) / "__0_0.distcp").unlink()
+    code, _, err = cli_in_process(capsys, "resume", "--run-dir", str(run_dir))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "no intact checkpoint to resume from; all 4 are damaged (newest: step-4, __0_0.distcp missing)" in err
+    assert all(checkpoint(run_dir, step).is_dir() for step in range(1, 5))
+
+
+def test_resume_skips_damaged_checkpoints(saved):
+    """Runs last among the tests of `saved`: the resume saves step-3 and step-4 again."""
+    first = losses(saved)
+    os.truncate(checkpoint(saved, 4) / "__0_0.distcp", 100)
+    (checkpoint(saved, 3) / ".metadata").write_bytes(b"garbled")
+    result = run_cli("resume", "--run-dir", str(saved))
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("titan-async: warning:")]
+    assert len(warnings) == 2, result.stderr
+    assert re.fullmatch(rf"titan-async: warning: skipping damaged checkpoint {re.escape(str(checkpoint(saved, 4)))} "
+                        r"\(__0_0.distcp truncated \(100 of \d+ bytes\)\); resuming from step-2", warnings[0])
+    assert warnings[1] == (f"titan-async: warning: skipping damaged checkpoint {checkpoint(saved, 3)} "
+                           "(unreadable .metadata (UnpicklingError)); resuming from step-2")
+    assert "from step-2" in result.stdout
+    assert losses(saved) == first
+
+
+def test_run_directory_lock(tmp_path, capsys):
+    run_dir, output = tmp_path / "run", tmp_path / "first.out"
+    first = start("train", "--run-dir", str(run_dir), "--max-restarts", "1", *SINGLE, *sets("training.steps=1000"),
+                  output=output)
+    wait_for(checkpoint(run_dir, 2) / ".metadata", first)
+    code, _, err = cli_in_process(capsys, "train", "--run-dir", str(run_dir), *SINGLE)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--run-dir {run_dir}: in use by a running titan-async (pid {first.pid} on " in err
+
+    run = [first.pid, *descendants(first.pid)]  # the launcher, torchrun and its worker
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in run):
+        assert time.monotonic() < deadline, "killing the launcher left processes of its run behind"
+        time.sleep(0.1)
+    latest = max(int(p.name.split("-")[1]) for p in (run_dir / "checkpoint").iterdir() if (p / ".metadata").is_file())
+    resumed = run_cli("resume", "--run-dir", str(run_dir), *sets(f"training.steps={latest + 1}"))
+    assert f"from step-{latest}" in resumed.stdout
+    assert max(losses(run_dir)) == latest + 1

@@ -1,0 +1,82 @@
+"""Which checkpoint a run resumes from: the latest whose files are intact. Nothing is deleted."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
+
+from titan_async.errors import UserError
+from titan_async.run_dir import CHECKPOINT_DIR
+
+
+def damage(checkpoint: Path) -> str | None:
+    """Why `checkpoint` cannot be loaded (.metadata missing or unreadable, a file it names missing
+    or shorter than the data it locates there), or None when it looks intact. Reads the metadata
+    and file sizes only, not the tensors."""
+    if not (checkpoint / ".metadata").is_file():
+        return "no .metadata: the save did not finish"
+    try:
+        metadata = FileSystemReader(str(checkpoint)).read_metadata()
+    except Exception as err:  # a truncated or garbled pickle raises any of several types
+        return f"unreadable .metadata ({type(err).__name__})"
+    if not isinstance(metadata, Metadata) or metadata.storage_data is None:
+        return "unreadable .metadata (not DCP metadata)"
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{name} missing"
+        if path.stat().st_size < size:
+            return f"{name} truncated ({path.stat().st_size} of {size} bytes)"
+    return None
+
+
+def _saved(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every checkpoint directory step-N, complete or not, newest first."""
+    folder = run_dir / CHECKPOINT_DIR
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := re.fullmatch(r"step-(\d+)", p.name))] if folder.is_dir() else []
+    return sorted(found, reverse=True)
+
+
+def resume_point(run_dir: Path, warn: Callable[[str], None]) -> tuple[int, Path] | None:
+    """(step, directory) of the latest intact checkpoint of `run_dir`, calling `warn` with one line
+    for each newer, damaged one; None when the run saved none. UserError when every one is damaged."""
+    saved = _saved(run_dir)
+    problems = []
+    for step, checkpoint in saved:
+        problem = damage(checkpoint)
+        if problem is None:
+            for skipped, reason in problems:
+                warn(f"skipping damaged checkpoint {skipped} ({reason}); resuming from {checkpoint.name}")
+            return step, checkpoint
+        problems.append((checkpoint, problem))
+    if problems:
+        newest, reason = problems[0]
+        raise UserError(
+            f"--run-dir {run_dir}: no intact checkpoint to resume from; all {len(problems)} are damaged "
+            f"(newest: {newest.name}, {reason}); nothing was deleted"
+        )
+    return None
+
+
+def last_logged_step(run_dir: Path) -> int:
+    """The latest training step in `run_dir`'s metrics.jsonl (0 if none): the progress a crash
+    loses back to a checkpoint, to the granularity of `metrics.log_freq`."""
+    path = run_dir / "metrics.jsonl"
+    steps = [0]
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by the crash
+                continue
+            if row.get("kind") == "train":
+                steps.append(int(row["step"]))
+    return max(steps)
