@@ -141,13 +141,13 @@ def test_unknown_config_name_lists_the_shipped_ones(capsys):
     assert "--config 10b_2bw_moun.toml: no such file, and no shipped config of that name" in err and "10b_2bw_muon" in err
 
 
-@pytest.mark.parametrize("argument", [("train", "--nproc-per-node", "0"), ("plan", "--gpus-per-node", "-1")])
+@pytest.mark.parametrize("argument", [("train", "--nproc-per-node", "0"), ("resume", "--run-dir", ".", "--nproc-per-node", "-1")])
 def test_non_positive_process_counts_are_refused(capsys, argument):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(list(argument))
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1
-    assert f"argument {argument[1]}: expected a positive integer, got '{argument[2]}'" in err
+    assert f"argument {argument[-2]}: expected a positive integer, got '{argument[-1]}'" in err
 
 
 @pytest.mark.parametrize("key,value", [("training.steps", -5), ("training.local_batch_size", 0), ("metrics.log_freq", 0),

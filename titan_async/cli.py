@@ -83,8 +83,8 @@ def _parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help="per-GPU memory, bubbles and a fake-process-group dry run of a config's layout")
     config_args(plan)
-    plan.add_argument("--nodes", type=positive_int, default=1, help="nodes (default: 1)")
-    plan.add_argument("--gpus-per-node", type=positive_int, default=1, help="GPUs per node (default: 1)")
+    plan.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
+    plan.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node (default: 1)")
     plan.add_argument("--gpu-memory", default="80GiB", help="memory per GPU, e.g. 80GiB or 141GB (default: 80GiB)")
     plan.add_argument("--strict", action="store_true", help="exit with status 1 if some GPU would run out of memory")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
