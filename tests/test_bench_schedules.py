@@ -66,3 +66,20 @@ def test_benchmark_runs_sync_zero_bubble_and_streaming_schedules_and_saves_the_t
     # 2BW holds exactly one extra copy of each rank's stage weights (as planned)
     assert table["PipeDream2BW"]["weight copies MiB per rank"].split() == weights.split(": ")[1].split()
     assert (tmp_path / "bench_schedules_p2_m2.png").stat().st_size > 0
+
+
+def test_benchmark_with_fsdp_prints_each_ranks_fsdp_traffic_against_1f1b(tmp_path):
+    command = [sys.executable, "tools/bench_schedules.py", "--stages", "2", "--fsdp", "2", "--microbatches", "2",
+               "--microbatch-size", "1", "--seq-len", "32", "--dim", "64", "--layers", "3", "--steps", "4", "--warmup", "1",
+               "--reps", "1", "--schedules", "1F1B,PipeDream2BW", "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900, env=fresh_environment())
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "bench_schedules_p2_m2_fsdp2.csv") as f:
+        table = {row["schedule"]: row for row in csv.DictReader(f)}
+    traffic = {s: [float(x) for x in row["FSDP MiB/step per rank"].split()] for s, row in table.items()}
+    assert len(traffic["1F1B"]) == 4 and all(x > 0 for x in traffic["1F1B"])
+    for schedule, row in table.items():
+        worst = max(mine / base for mine, base in zip(traffic[schedule], traffic["1F1B"]))
+        assert float(row["FSDP vs 1F1B (worst rank)"]) == pytest.approx(worst, abs=2e-3)
+    # a streaming stage gathers once per weight version and reduces once per update
+    assert float(table["PipeDream2BW"]["FSDP vs 1F1B (worst rank)"]) <= 1.3

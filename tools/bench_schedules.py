@@ -14,7 +14,10 @@ action; for GPipe, 1F1B and Interleaved1F1B their formula's prediction in bracke
 "-" for the zero-bubble schedules, which no such formula describes), the peak
 memory (RSS) per rank and its difference to 1F1B's, and the weight copies the
 streaming schedules hold beyond the live weights, next to each rank's stage
-weights from `titan-async plan`.
+weights from `titan-async plan`. With `--fsdp N` every stage is sharded over N
+ranks (PP x FSDP2 on stages x N processes) and the table adds the bytes FSDP
+all-gathers and reduce-scatters per step on each rank (counted from the collectives
+it issues; median over the measured steps) and the largest per-rank ratio to 1F1B's.
 
 The default model has balanced stages, so that idle time is the schedule's and not
 the layer split's: at dim 128 with the 2048-token vocabulary the output head costs
@@ -45,6 +48,7 @@ def settings(schedule: str, args) -> list[str]:
     """The `--set` assignments of one benchmark run."""
     return [
         f"parallelism.pipeline_parallel_degree={args.stages}",
+        f"parallelism.data_parallel_shard_degree={args.fsdp}",
         f"parallelism.pipeline_parallel_schedule={schedule}",
         f"parallelism.pipeline_parallel_microbatch_size={args.microbatch_size}",
         f"training.local_batch_size={args.microbatch_size * args.microbatches}",
@@ -70,7 +74,7 @@ def titan_async(command: str, schedule: str, args, *extra: str) -> subprocess.Co
 
 def stage_weights_mib(args) -> dict[int, float]:
     """Parameter MiB of each pipeline rank's stages, from `titan-async plan`."""
-    plan = json.loads(titan_async("plan", "1F1B", args, "--gpus-per-node", str(args.stages), "--json").stdout)
+    plan = json.loads(titan_async("plan", "1F1B", args, "--gpus-per-node", str(args.stages * args.fsdp), "--json").stdout)
     return {row["pp_rank"]: row["memory"]["weights"] / 2**20 for row in plan["ranks"]}
 
 
@@ -86,16 +90,16 @@ def ideal_step_time(trace: Path, microbatches: int) -> float:
 
 
 def run(schedule: str, args, run_dir: Path) -> dict:
-    """Train once; returns tokens/s, per-rank bubble and memory over the measured steps, and
-    the ideal tokens/s of a traced (streaming) run."""
-    titan_async("train", schedule, args, "--nproc-per-node", str(args.stages), "--run-dir", str(run_dir))
+    """Train once; returns tokens/s, per-rank bubble, memory and FSDP traffic over the measured
+    steps, and the ideal tokens/s of a traced (streaming) run."""
+    titan_async("train", schedule, args, "--nproc-per-node", str(args.stages * args.fsdp), "--run-dir", str(run_dir))
     measured = range(args.warmup + 1, args.steps)  # the last step also drains
     per_rank = {}
     for path in sorted((run_dir / "pipeline").glob("rank*.jsonl")):
         rows = {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
         per_rank[int(path.stem[4:])] = rows
     step_time = statistics.median(per_rank[0][s]["time"] - per_rank[0][s - 1]["time"] for s in measured)
-    tokens = args.microbatch_size * args.microbatches * args.seq_len
+    tokens = args.microbatch_size * args.microbatches * args.seq_len * args.fsdp
     trace = run_dir / "pipeline" / "trace.json"
     return {
         "tokens_per_s": tokens / step_time,
@@ -103,12 +107,15 @@ def run(schedule: str, args, run_dir: Path) -> dict:
         "bubble": {r: statistics.median(rows[s]["bubble"] for s in measured) if schedule in STREAMING else None for r, rows in per_rank.items()},
         "memory_gib": {r: max(rows[s]["memory_gib"] for s in measured) for r, rows in per_rank.items()},
         "copies_mib": {r: 1024 * max(rows[s].get("weight_versions_gib", 0.0) for s in measured) for r, rows in per_rank.items()},
+        "fsdp_mib": {r: statistics.median(rows[s].get("fsdp_all_gather_bytes", 0) + rows[s].get("fsdp_reduce_scatter_bytes", 0)
+                                          for s in measured) / 2**20 for r, rows in per_rank.items()},
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--fsdp", type=int, default=1, help="FSDP2 degree inside each stage (stages x fsdp processes)")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--microbatch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
@@ -152,6 +159,8 @@ def report(results: dict[str, list[dict]], weights: dict[int, float], args) -> N
         return f"{value / reference:.3f}" if reference else "-"
 
     rows = []
+    fsdp_1f1b = ({k: statistics.median(r["fsdp_mib"][k] for r in results["1F1B"]) for k in results["1F1B"][0]["fsdp_mib"]}
+                 if "1F1B" in results else None)
     peak = {s: {k: max(r["memory_gib"][k] for r in runs) for k in runs[0]["memory_gib"]} for s, runs in results.items()}
     for schedule, runs in results.items():
         ranks = sorted(runs[0]["memory_gib"])
@@ -167,17 +176,23 @@ def report(results: dict[str, list[dict]], weights: dict[int, float], args) -> N
         rows.append([schedule, f"{speed:,.0f}", f"{min(speeds[schedule]):,.0f}", f"{max(speeds[schedule]):,.0f}",
                      ratio(speed, median.get("1F1B")), ratio(speed, median.get(best_sync)), ratio(speed, ideal),
                      " ".join(bubbles), " ".join(memory), " ".join(extra), " ".join(copies)])
+        if args.fsdp > 1:
+            traffic = {k: statistics.median(r["fsdp_mib"][k] for r in runs) for k in ranks}
+            rows[-1] += [" ".join(f"{traffic[k]:.4g}" for k in ranks),
+                         f"{max(traffic[k] / fsdp_1f1b[k] for k in ranks):.3f}" if fsdp_1f1b else "-"]
     header = ["schedule", "tokens/s", "min", "max", "vs 1F1B", "vs best sync", "of ideal", "bubble per rank",
               "peak GiB per rank", "vs 1F1B GiB per rank", "weight copies MiB per rank"]
+    if args.fsdp > 1:
+        header += ["FSDP MiB/step per rank", "FSDP vs 1F1B (worst rank)"]
     widths = [max(len(str(row[i])) for row in rows + [header]) for i in range(len(header))]
-    print(f"\np={p} m={m}, median (min, max) of {args.reps} interleaved runs; best synchronous: {best_sync or '-'}")
+    print(f"\np={p} m={m}" + (f" fsdp={args.fsdp}" if args.fsdp > 1 else "") + f", median (min, max) of {args.reps} interleaved runs; best synchronous: {best_sync or '-'}")
     if ideal:
         print(f"ideal (no waiting, from the traced F, B and optimizer durations): {ideal:,.0f} tokens/s")
-    print("stage weights MiB per rank: " + " ".join(f"{weights[k]:.2f}" for k in sorted(weights)))
+    print(("stage weights MiB per rank: " if args.fsdp == 1 else "stage shard MiB per pipeline rank: ") + " ".join(f"{weights[k]:.2f}" for k in sorted(weights)))
     for row in [header] + rows:
         print("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)))
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"bench_schedules_p{p}_m{m}"
+    stem = args.out / (f"bench_schedules_p{p}_m{m}" + (f"_fsdp{args.fsdp}" if args.fsdp > 1 else ""))
     with open(stem.with_suffix(".csv"), "w", newline="") as f:
         csv.writer(f).writerows([header] + rows)
     plot(rows, ideal, p, m, stem.with_suffix(".png"))
