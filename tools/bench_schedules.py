@@ -159,8 +159,7 @@ def report(results: dict[str, list[dict]], weights: dict[int, float], args) -> N
         return f"{value / reference:.3f}" if reference else "-"
 
     rows = []
-    fsdp_1f1b = ({k: statistics.median(r["fsdp_mib"][k] for r in results["1F1B"]) for k in results["1F1B"][0]["fsdp_mib"]}
-                 if "1F1B" in results else None)
+    traffic = {s: {k: statistics.median(r["fsdp_mib"][k] for r in runs) for k in runs[0]["fsdp_mib"]} for s, runs in results.items()}
     peak = {s: {k: max(r["memory_gib"][k] for r in runs) for k in runs[0]["memory_gib"]} for s, runs in results.items()}
     for schedule, runs in results.items():
         ranks = sorted(runs[0]["memory_gib"])
@@ -177,15 +176,15 @@ def report(results: dict[str, list[dict]], weights: dict[int, float], args) -> N
                      ratio(speed, median.get("1F1B")), ratio(speed, median.get(best_sync)), ratio(speed, ideal),
                      " ".join(bubbles), " ".join(memory), " ".join(extra), " ".join(copies)])
         if args.fsdp > 1:
-            traffic = {k: statistics.median(r["fsdp_mib"][k] for r in runs) for k in ranks}
-            rows[-1] += [" ".join(f"{traffic[k]:.4g}" for k in ranks),
-                         f"{max(traffic[k] / fsdp_1f1b[k] for k in ranks):.3f}" if fsdp_1f1b else "-"]
+            mine, base = traffic[schedule], traffic.get("1F1B")
+            rows[-1] += [" ".join(f"{mine[k]:.4g}" for k in ranks), f"{max(mine[k] / base[k] for k in ranks):.3f}" if base else "-"]
     header = ["schedule", "tokens/s", "min", "max", "vs 1F1B", "vs best sync", "of ideal", "bubble per rank",
               "peak GiB per rank", "vs 1F1B GiB per rank", "weight copies MiB per rank"]
     if args.fsdp > 1:
         header += ["FSDP MiB/step per rank", "FSDP vs 1F1B (worst rank)"]
     widths = [max(len(str(row[i])) for row in rows + [header]) for i in range(len(header))]
-    print(f"\np={p} m={m}" + (f" fsdp={args.fsdp}" if args.fsdp > 1 else "") + f", median (min, max) of {args.reps} interleaved runs; best synchronous: {best_sync or '-'}")
+    fsdp = f" fsdp={args.fsdp}" if args.fsdp > 1 else ""
+    print(f"\np={p} m={m}{fsdp}, median (min, max) of {args.reps} interleaved runs; best synchronous: {best_sync or '-'}")
     if ideal:
         print(f"ideal (no waiting, from the traced F, B and optimizer durations): {ideal:,.0f} tokens/s")
     print(("stage weights MiB per rank: " if args.fsdp == 1 else "stage shard MiB per pipeline rank: ") + " ".join(f"{weights[k]:.2f}" for k in sorted(weights)))
