@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titan_async import platform
+from titan_async.core import platform
 
 platform.configure()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torchtitan.models.common.attention import create_varlen_metadata_for_document
 
-from titan_async.attention import DenseDocumentAttention, document_causal_mask
+from titan_async.model.attention import DenseDocumentAttention, document_causal_mask
 
 
 def reference_mask(positions: torch.Tensor) -> torch.Tensor:

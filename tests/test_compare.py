@@ -11,7 +11,7 @@ import pytest
 
 from conftest import CONFIGS, TINY, cli_in_process, run_cli, sets
 from test_report import PNG_SIGNATURE, embedded_images
-from titan_async.compare import compare, time_to_target
+from titan_async.commands.compare import compare, time_to_target
 
 
 def write_run(directory: Path, validations: dict[int, float], seconds_per_step: float, steps: int = 10,

@@ -9,7 +9,7 @@ from typing import ClassVar
 import pytest
 
 from conftest import CONFIGS
-from titan_async import platform
+from titan_async.core import platform
 from titan_async.config import run_config
 from titan_async.config.assemble import compile_config
 from titan_async.config.run_config import apply_set, build_run_config, load_run_config, render_toml

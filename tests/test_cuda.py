@@ -22,7 +22,7 @@ from conftest import CONFIGS, REPO, fresh_environment, losses, metrics, sets
 from test_attention import reference_mask
 from test_muon import muon_update
 from test_schedules import EXACT, STEPS, assert_close_weights, assert_same_run, final_weights, train
-from titan_async.model import ModelSection, build_model_spec
+from titan_async.model.llama import ModelSection, build_model_spec
 from titan_async.optim.newton_schulz_batched import orthogonalize_batched
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (FlexAttention backward, float8, NCCL)")

@@ -10,14 +10,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from titan_async import platform
+from titan_async.core import platform
 
 platform.configure()
 
-from titan_async.model import ModelSection, build_model_spec  # noqa: E402
+from titan_async.model.llama import ModelSection, build_model_spec  # noqa: E402
 from titan_async.optim import ErrorFeedback, Muon, RoutedOptimizersContainer  # noqa: E402
 from titan_async.optim.newton_schulz_batched import orthogonalize_batched  # noqa: E402
-from titan_async.optimizer import ErrorFeedbackSection, OptimizerSection  # noqa: E402
+from titan_async.optim.section import ErrorFeedbackSection, OptimizerSection  # noqa: E402
 
 CURVATURE = torch.tensor([1.0, 3.0, 10.0], dtype=torch.float64)
 START = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)

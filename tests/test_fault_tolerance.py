@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CONFIGS, REPO, TINY, cli_in_process, fresh_environment, losses, run_cli, sets
-from titan_async.checkpoints import damage
+from titan_async.run.checkpoints import damage
 
 PP_2BW = ("--config", str(CONFIGS / "debug_cpu_pp2_2bw.toml"), "--nproc-per-node", "2",
           *sets(*TINY, "training.steps=10", "checkpoint.interval=2"))
@@ -69,7 +69,7 @@ def worker_of_rank(launcher: int, rank: int) -> int:
             command = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if f"RANK={rank}".encode() in environ and b"titan_async.worker" in command:
+        if f"RANK={rank}".encode() in environ and b"titan_async.run.worker" in command:
             return pid
     raise AssertionError(f"no worker of rank {rank} under process {launcher}")
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from titan_async import platform
+from titan_async.core import platform
 
 platform.configure()
 
-from titan_async.model import ModelSection, build_model_spec  # noqa: E402
+from titan_async.model.llama import ModelSection, build_model_spec  # noqa: E402
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 

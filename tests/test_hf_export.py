@@ -24,12 +24,13 @@ from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 from conftest import CONFIGS, TINY, checkpoint_weights, losses, run_cli, sets
 from test_bad_input import fail
-from titan_async import cli, export
+from titan_async import cli
+from titan_async.commands import export
 from titan_async.config.assemble import trainer_config
 from titan_async.config.run_config import load_run_config
 from titan_async.data.sources import tokenizer_dir
-from titan_async.errors import UserError
-from titan_async.model import ModelSection, build_model_spec
+from titan_async.core.errors import UserError
+from titan_async.model.llama import ModelSection, build_model_spec
 
 STEPS = 3
 RUN = (*TINY, f"training.steps={STEPS}", "model.n_kv_heads=2", "validation.enable=false")

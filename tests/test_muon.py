@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from titan_async import platform
+from titan_async.core import platform
 
 platform.configure()
 
@@ -23,14 +23,14 @@ from torch.distributed.tensor import Shard, distribute_tensor  # noqa: E402
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig  # noqa: E402
 from torchtitan.distributed.pipeline_parallel import _split_module  # noqa: E402
 
-from titan_async.model import ModelSection, build_model_spec  # noqa: E402
+from titan_async.model.llama import ModelSection, build_model_spec  # noqa: E402
 from titan_async.optim import ErrorFeedback, Muon, RoutedOptimizersContainer  # noqa: E402
 from titan_async.optim.blocks import FusedQKVBlocks  # noqa: E402
 from titan_async.optim import newton_schulz_batched  # noqa: E402
 from titan_async.optim.full_matrix import assign_owners, map_full_matrices  # noqa: E402
 from titan_async.optim.newton_schulz import COEFFICIENTS, flops, gram_form, orthogonalize, resolve_dtype  # noqa: E402
 from titan_async.optim.newton_schulz_batched import orthogonalize_all  # noqa: E402
-from titan_async.optimizer import OptimizerSection  # noqa: E402
+from titan_async.optim.section import OptimizerSection  # noqa: E402
 
 NS_BAND = (0.68, 1.135)
 """Where 5 quintic Newton-Schulz steps send every singular value that starts in [0.01, 1]:

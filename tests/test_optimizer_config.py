@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from titan_async.config.run_config import build_run_config
-from titan_async.errors import UserError
-from titan_async.model import ModelSection, build_model_spec
+from titan_async.core.errors import UserError
+from titan_async.model.llama import ModelSection, build_model_spec
 from titan_async.optim import ErrorFeedback, Muon, RoutedOptimizersContainer, param_group_rows, write_param_group_table
 from torchtitan.components.optimizer import OptimizersContainer
 

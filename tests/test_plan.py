@@ -11,8 +11,8 @@ from torchtitan.distributed.activation_checkpoint import FullAC
 
 from conftest import CONFIGS, cli_in_process, sets
 from titan_async.config.run_config import build_run_config, load_run_config
-from titan_async.plan import build_meta_model
-from titan_async.plan_memory import Setup, block_activation_bytes, bubble, compare_schedules, held_microbatches, parse_size
+from titan_async.model.meta import build_meta_model
+from titan_async.commands.plan.memory import Setup, block_activation_bytes, bubble, compare_schedules, held_microbatches, parse_size
 
 pytestmark = pytest.mark.filterwarnings("ignore:DTensor random operators")  # initializing meta DTensors
 SHIPPED = sorted(CONFIGS.glob("*.toml"))

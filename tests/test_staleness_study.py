@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 _PATH = Path(__file__).resolve().parent.parent / "tools" / "staleness_study.py"
-sys.path.insert(0, str(_PATH.parent))  # its runner, tools/experiments.py
 _SPEC = importlib.util.spec_from_file_location("staleness_study", _PATH)
 study = importlib.util.module_from_spec(_SPEC)
 sys.modules["staleness_study"] = study

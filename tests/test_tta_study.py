@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import REPO, TINY, fresh_environment
-from titan_async.compare import compare
+from titan_async.commands.compare import compare
 
 
 def test_tta_study_trains_two_arms_and_tabulates_compares_time_to_target(tmp_path):

@@ -9,8 +9,9 @@ from contextlib import nullcontext
 from importlib import resources
 from pathlib import Path
 
-from titan_async import platform, worker
-from titan_async.errors import UserError
+from titan_async.core import platform
+from titan_async.core.errors import UserError
+from titan_async.run import worker
 
 DEFAULT_CONFIG = "debug_cpu"
 
@@ -114,46 +115,46 @@ def _config_path(name: str | None) -> Path:
 
 
 def _train(args) -> int:
-    from titan_async import launch, run_dir as runs
     from titan_async.config.assemble import trainer_config
     from titan_async.config.run_config import load_run_config, render_toml
+    from titan_async.run import directory as runs, launch, process
 
     _check_max_restarts(args.max_restarts)
     path = _config_path(args.config)
     run = load_run_config(path, args.set)
-    nproc = args.nproc_per_node or launch.local_workers()
-    run.check(launch.world_size(nproc))
-    directory = args.run_dir or runs.new_run_dir(path.stem, launch.job_id())
-    if launch.restart_count():  # torchrun restarted this worker: the run continues from its checkpoint
+    nproc = args.nproc_per_node or process.local_workers()
+    run.check(process.world_size(nproc))
+    directory = args.run_dir or runs.new_run_dir(path.stem, process.job_id())
+    if process.restart_count():  # torchrun restarted this worker: the run continues from its checkpoint
         return _launch(directory, nproc, args.verbose, run, args.max_restarts)
     with _coordinator_lock(directory):
-        if launch.is_coordinator():
+        if process.is_coordinator():
             runs.claim(directory, args.overwrite)
-        trainer_config(run, directory, launch.world_size(nproc))
-        if launch.is_coordinator():
+        trainer_config(run, directory, process.world_size(nproc))
+        if process.is_coordinator():
             runs.save_launch(directory, render_toml(run), nproc)
             print(f"run directory: {directory}", flush=True)
         return _launch(directory, nproc, args.verbose, run, args.max_restarts)
 
 
 def _resume(args) -> int:
-    from titan_async import launch, run_dir as runs
-    from titan_async.checkpoints import resume_point
     from titan_async.config.assemble import check_resumable, trainer_config
     from titan_async.config.run_config import load_run_config, render_toml
+    from titan_async.run import directory as runs, launch, process
+    from titan_async.run.checkpoints import resume_point
 
     _check_max_restarts(args.max_restarts)
     settings = runs.load_launch(args.run_dir)
     with _coordinator_lock(args.run_dir):
-        point = resume_point(args.run_dir, warn=_warning if launch.is_coordinator() else lambda message: None)
+        point = resume_point(args.run_dir, warn=_warning if process.is_coordinator() else lambda message: None)
         if point is None:
             raise UserError(f"--run-dir {args.run_dir}: no complete checkpoint to resume from (checkpoint/step-N/.metadata)")
         nproc = args.nproc_per_node or settings["nproc_per_node"]
         run = load_run_config(args.run_dir / "config.toml", args.set)
         check_resumable(load_run_config(args.run_dir / "config.toml", []), run)
-        run.check(launch.world_size(nproc))
-        trainer_config(run, args.run_dir, launch.world_size(nproc))
-        if launch.is_coordinator():
+        run.check(process.world_size(nproc))
+        trainer_config(run, args.run_dir, process.world_size(nproc))
+        if process.is_coordinator():
             runs.save_launch(args.run_dir, render_toml(run), nproc)
             runs.clear_stop(args.run_dir)
             print(f"resuming {args.run_dir} from {point[1].name}", flush=True)
@@ -161,12 +162,12 @@ def _resume(args) -> int:
 
 
 def _coordinator_lock(directory: Path):
-    """The run directory's lock (titan_async.run_lock) in the process that writes the run
+    """The run directory's lock (titan_async.run.lock) in the process that writes the run
     directory; none in other ranks, nor in workers torchrun restarted (the first attempt took it)."""
-    from titan_async import launch
-    from titan_async.run_lock import run_dir_lock
+    from titan_async.run import launch, process
+    from titan_async.run.lock import run_dir_lock
 
-    if launch.is_coordinator() and not launch.restart_count():
+    if process.is_coordinator() and not process.restart_count():
         return run_dir_lock(directory)
     return nullcontext()
 
@@ -176,19 +177,19 @@ def _warning(message: str) -> None:
 
 
 def _check_max_restarts(count: int) -> None:
-    from titan_async import launch
+    from titan_async.run import launch, process
 
     if count < 0:
         raise UserError(f"--max-restarts {count}: expected a count >= 0")
-    if count and launch.launched_externally():
+    if count and process.launched_externally():
         raise UserError(f"--max-restarts {count}: under torchrun or Slurm, pass it to torchrun, which restarts the workers")
 
 
 def _launch(directory: Path, nproc: int, verbose: bool, run, max_restarts: int) -> int:
-    from titan_async import launch, run_dir as runs
+    from titan_async.run import directory as runs, launch, process
 
     status = launch.run(directory, nproc, verbose, run, max_restarts)
-    if not launch.is_coordinator():
+    if not process.is_coordinator():
         return status
     _draw_pipeline_trace(directory)
     stop = runs.early_stop(directory)
@@ -211,13 +212,13 @@ def _draw_pipeline_trace(directory: Path) -> None:
 
 
 def _eval(args) -> int:
-    from titan_async.evaluate import evaluate_checkpoint
+    from titan_async.commands.evaluate import evaluate_checkpoint
 
     return evaluate_checkpoint(args.checkpoint, as_json=args.json, prompt=args.prompt, max_new_tokens=args.max_new_tokens)
 
 
 def _export(args) -> int:
-    from titan_async.export import export_checkpoint
+    from titan_async.commands.export import export_checkpoint
 
     export_checkpoint(args.checkpoint, args.out, args.dtype, args.overwrite)
     print(f"exported {args.checkpoint} to {args.out}")
@@ -225,21 +226,22 @@ def _export(args) -> int:
 
 
 def _report(args) -> int:
-    from titan_async.report import write_report
+    from titan_async.commands.report import write_report
 
     print(f"report: {write_report(args.run_dir, args.out)}")
     return 0
 
 
 def _compare(args) -> int:
-    from titan_async.compare import run_compare
+    from titan_async.commands.compare import run_compare
 
     return run_compare(args.run_dirs, args.baseline, args.target, args.out, args.json)
 
 
 def _plan(args) -> int:
+    from titan_async.commands.plan.command import run_plan
+    from titan_async.commands.plan.estimate import Cluster
     from titan_async.config.run_config import load_run_config
-    from titan_async.plan import Cluster, run_plan
 
     cluster = Cluster.parse(args.nodes, args.gpus_per_node, args.gpu_memory)
     return run_plan(load_run_config(_config_path(args.config), args.set), cluster, args.strict, args.json)

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from titan_async import platform
+from titan_async.core import platform
 
 platform.configure()
 
@@ -49,15 +49,17 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torchtitan.config import TORCH_DTYPE_MAP  # noqa: E402
 
+from titan_async.commands.plan.estimate import Cluster, make_layout, resolve_vocab_size  # noqa: E402
 from titan_async.config.run_config import load_run_config  # noqa: E402
-from titan_async.model import ModelSection, build_model_spec  # noqa: E402
+from titan_async.experiments.accuracy import relative_difference  # noqa: E402
+from titan_async.model.llama import ModelSection, build_model_spec  # noqa: E402
+from titan_async.model.meta import build_meta_model  # noqa: E402
 from titan_async.optim.muon_cost import stage_costs  # noqa: E402
 from titan_async.optim.newton_schulz import flops, orthogonalize  # noqa: E402
 from titan_async.optim.newton_schulz_batched import orthogonalize_all  # noqa: E402
 from titan_async.optim.routing import route_parameters  # noqa: E402
-from titan_async.optimizer import ErrorFeedbackSection, OptimizerSection  # noqa: E402
+from titan_async.optim.section import ErrorFeedbackSection, OptimizerSection  # noqa: E402
 from titan_async.pipeline.schedules import register as register_schedules  # noqa: E402
-from titan_async.plan import Cluster, build_meta_model, make_layout, resolve_vocab_size  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "train_configs"
 
@@ -205,10 +207,6 @@ def projection(args: argparse.Namespace) -> None:
         print(line)
     print(f"share of a step (largest stage): {max(shares['bf16']):.1%} with bfloat16 Newton-Schulz, "
           f"{max(shares['fp32']):.1%} with float32")
-
-
-def relative_difference(result: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((result.double() - reference.double()).norm() / reference.double().norm())
 
 
 def power_law(shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:

@@ -25,13 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from experiments import ROOT, Job, run_jobs, run_recorded
-from titan_async.compare import smooth
+from titan_async.commands.compare import smooth
+from titan_async.experiments.jobs import ROOT, Job, run_jobs, run_recorded
+from titan_async.run.record import TRAIN_LOSS, VALIDATION_LOSS
 
 OPTIMIZERS = ("adamw", "muon")
 OPTIMIZER_LABELS = {"adamw": "AdamW", "muon": "Muon"}
-TRAIN_LOSS = "loss_metrics/global_avg_loss"
-VALIDATION_LOSS = "validation_metrics/loss"
 ANALYSIS_HEADING = "## Analysis"
 
 

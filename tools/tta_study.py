@@ -24,8 +24,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from experiments import ROOT, Job, run_recorded
-from titan_async.compare import cell, compare, draw_plots
+from titan_async.commands.compare import cell, compare, draw_plots
+from titan_async.experiments.jobs import ROOT, Job, run_recorded
 
 SCHEDULES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "PipeDream2BW", "PACI")
 """Every schedule that can validate (torch's ZBVZeroBubble fails in eval)."""

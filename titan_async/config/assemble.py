@@ -10,14 +10,14 @@ from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
-from titan_async import platform
 from titan_async.config.run_config import RunConfig
+from titan_async.core import platform
+from titan_async.core.errors import UserError
 from titan_async.data.sources import prepare
-from titan_async.errors import UserError
-from titan_async.hf_weights import check_hf_weights
-from titan_async.model import build_model_spec
+from titan_async.model.hf_weights import check_hf_weights
+from titan_async.model.llama import build_model_spec
 from titan_async.pipeline.schedules import register as register_schedules, streaming_schedule
-from titan_async.trainer import AsyncTrainer
+from titan_async.train.trainer import AsyncTrainer
 
 ACTIVATION_CHECKPOINTS = {"none": None, "selective": SelectiveAC.Config, "full": FullAC.Config}
 

@@ -12,16 +12,16 @@ from typing import Any, Literal
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.config.configs import CommConfig, CompileConfig, DebugConfig
 
-from titan_async import platform
 from titan_async.config.fields import closest, coerce, describe, settable_fields, subsections, type_name
+from titan_async.core import platform
+from titan_async.core.errors import UserError
 from titan_async.data.sources import DataSection
-from titan_async.errors import UserError
-from titan_async.health import HealthSection
-from titan_async.lr_schedule import RunLRSchedulers
-from titan_async.model import ModelSection
-from titan_async.optimizer import OptimizerSection
+from titan_async.model.llama import ModelSection
+from titan_async.optim.lr_schedule import RunLRSchedulers
+from titan_async.optim.section import OptimizerSection
 from titan_async.pipeline.config import DelayTraining, PipelineParallelism, check_pipeline, microbatches
-from titan_async.progress import RunMetrics, RunValidator
+from titan_async.train.health import HealthSection
+from titan_async.train.progress import RunMetrics, RunValidator
 
 
 @dataclass(kw_only=True, slots=True)

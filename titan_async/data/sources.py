@@ -12,7 +12,7 @@ from functools import partial
 from pathlib import Path
 from typing import Literal
 
-from titan_async.errors import UserError
+from titan_async.core.errors import UserError
 
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 

@@ -1,4 +1,5 @@
-"""Muon, error feedback and their torchtitan optimizer container."""
+"""The optimizers: the `[optimizer]` section (`section`), Muon with batched Newton-Schulz, error
+feedback, their torchtitan optimizer container, and learning-rate schedulers (`lr_schedule`)."""
 
 from titan_async.optim.container import RoutedOptimizersContainer
 from titan_async.optim.error_feedback import ErrorFeedback

@@ -18,7 +18,7 @@ import torch
 from torch.autograd import _unsafe_preserve_version_counter
 from torch.distributed.tensor import DTensor
 
-from titan_async.pipeline.fsdp_stage import FsdpStage
+from titan_async.parallel.fsdp_stage import FsdpStage
 
 
 @contextmanager

@@ -30,11 +30,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from titan_async import platform  # noqa: E402
+from titan_async.core import platform  # noqa: E402
 
 platform.configure()
 from titan_async.config.run_config import load_run_config  # noqa: E402
-from titan_async.model import build_model_spec  # noqa: E402
+from titan_async.experiments.accuracy import relative_difference  # noqa: E402
+from titan_async.model.llama import build_model_spec  # noqa: E402
 from titan_async.optim.full_matrix import assign_owners  # noqa: E402
 from titan_async.optim.newton_schulz import orthogonalize  # noqa: E402
 from titan_async.optim.newton_schulz_batched import orthogonalize_batched  # noqa: E402
@@ -145,10 +146,6 @@ def measure(args, device: torch.device) -> dict:
             print(f"{name:9s} batched {count} x {shape}: median {batched[name, shape]['median_ms']:9.3f} ms", flush=True)
         del wide
     return totals(args, matrices, n_layers, steps, per_layer, single, batched)
-
-
-def relative_difference(result: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((result.double() - reference.double()).norm() / reference.double().norm())
 
 
 def totals(args, matrices, n_layers, steps, per_layer, single, batched) -> dict:

@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
+"""The source checkout the studies run from (tools/ lives there)."""
 STOPPED_BY_SIGNAL = 130
 """titan-async's exit status after a SIGTERM: it stopped every rank at the same step."""
 

@@ -6,7 +6,7 @@ before torchtitan is first imported; it makes torchtitan pick device type "cpu"
 (and so the gloo backend) and closes the gaps torch 2.15 still has on CPU:
 memory statistics, a string-valued `current_device()`, and the PREMUL_SUM
 reduce-scatter that gloo rejects. The attention swap for CPU lives in
-`titan_async.model` and asks `is_cpu()`.
+`titan_async.model.llama` and asks `is_cpu()`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def configure() -> str:
         return _device_type
     if "torchtitan.tools.utils" in sys.modules:
         raise RuntimeError(
-            "titan_async.platform.configure() must run before torchtitan is imported"
+            "titan_async.core.platform.configure() must run before torchtitan is imported"
         )
     torch._utils._get_available_device_type = lambda: "cpu"
     _add_cpu_memory_stats()

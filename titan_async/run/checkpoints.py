@@ -10,8 +10,8 @@ from pathlib import Path
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from titan_async.errors import UserError
-from titan_async.run_dir import CHECKPOINT_DIR
+from titan_async.core.errors import UserError
+from titan_async.run.directory import CHECKPOINT_DIR
 
 
 def damage(checkpoint: Path) -> str | None:

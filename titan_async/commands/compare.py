@@ -18,10 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-from titan_async import report, run_dir
-from titan_async.errors import UserError
-from titan_async.progress import TRAINING_SECONDS
-from titan_async.report import TRAIN_LOSS, VALIDATION_LOSS, RunRecord, series
+from titan_async.commands import pages
+from titan_async.core.errors import UserError
+from titan_async.run import directory as run_dir
+from titan_async.run.record import TRAIN_LOSS, VALIDATION_LOSS, RunRecord, read_run, series
+from titan_async.train.progress import TRAINING_SECONDS
 
 TOKENS = "n_tokens_seen"
 SMOOTHING = 0.9
@@ -121,7 +122,7 @@ def compare(directories: list[Path], baseline: Path | None = None, target: float
     ordered = list(dict.fromkeys([baseline or directories[0], *directories]))
     names = [d.resolve().name for d in ordered]
     labels = names if len(set(names)) == len(names) else [str(d) for d in ordered]
-    runs = [curves_of(report.read_run(d, "RUN_DIR"), label, "RUN_DIR") for d, label in zip(ordered, labels)]
+    runs = [curves_of(read_run(d, "RUN_DIR"), label, "RUN_DIR") for d, label in zip(ordered, labels)]
     warnings = [w for run in runs[1:] for w in check_comparable(runs[0], run)]
     if target is None:
         if not runs[0].validation_loss:
@@ -174,11 +175,11 @@ def draw_plots(runs: list[RunCurves], target: float, folder: Path) -> list[tuple
         ends = [x for _, xs, _ in lines for x in (xs[0], xs[-1])]
         if ends:
             lines.append((f"target {target:.4f}", [min(ends), max(ends)], [target, target]))
-        report.line_chart(path, f"validation loss by {xlabel}", "cross-entropy", lines, xlabel)
+        pages.line_chart(path, f"validation loss by {xlabel}", "cross-entropy", lines, xlabel)
         plots.append((f"Validation loss by {xlabel}, with the target", path))
     for axis, xlabel in AXES.items():
         path = folder / f"training_loss_by_{axis}.png"
-        report.line_chart(path, f"training loss (EMA {SMOOTHING}) by {xlabel}", "cross-entropy",
+        pages.line_chart(path, f"training loss (EMA {SMOOTHING}) by {xlabel}", "cross-entropy",
                           [(run.label, run.train[axis], run.train_loss) for run in runs], xlabel)
         plots.append((f"Training loss, smoothed (bias-corrected EMA {SMOOTHING}), by {xlabel}", path))
     return plots
@@ -190,12 +191,12 @@ def render_html(results: dict, plots: list[tuple[str, Path]]) -> str:
         f'<section id="summary"><h2>Time to validation loss {results["target"]:.4f}</h2>',
         f"<p>Baseline: {html.escape(results['baseline'])}. Training wall-clock excludes validation and checkpoints; "
         "time to target is interpolated between validations.</p>",
-        report.html_table(header, rows),
+        pages.html_table(header, rows),
         "".join(f"<p><strong>Warning:</strong> {html.escape(w)}</p>" for w in results["warnings"]),
         "</section>",
-        '<section id="curves"><h2>Curves</h2>' + "".join(report.html_figure(c, p) for c, p in plots) + "</section>",
+        '<section id="curves"><h2>Curves</h2>' + "".join(pages.html_figure(c, p) for c, p in plots) + "</section>",
     ]
-    return report.html_page("titan-async comparison", parts)
+    return pages.html_page("titan-async comparison", parts)
 
 
 def run_compare(directories: list[Path], baseline: Path | None, target: str | None, out: Path | None, as_json: bool) -> int:
@@ -207,7 +208,7 @@ def run_compare(directories: list[Path], baseline: Path | None, target: str | No
         return 0
     for warning in results["warnings"]:
         print(f"titan-async: warning: {warning}", file=sys.stderr)
-    out = report.page_path(out or runs[0].record.directory / "compare" / "compare.html")
+    out = pages.page_path(out or runs[0].record.directory / "compare" / "compare.html")
     run_dir.write_atomic(out, render_html(results, draw_plots(runs, results["target"], out.parent)))
     rows = table_rows(results)
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

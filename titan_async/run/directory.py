@@ -9,7 +9,7 @@ import shutil
 import time
 from pathlib import Path
 
-from titan_async.errors import UserError
+from titan_async.core.errors import UserError
 
 CONFIG_FILE = "config.toml"
 STOPPED_FILE = "stopped.json"

@@ -15,7 +15,7 @@ Per GPU, every pipeline rank's memory is the sum of these components (bytes):
   (reduce dtype). On a pipeline every unit of a stage stays unsharded and its gradient
   accumulates unsharded between reductions (torch's schedules disable gradient sync and
   resharding until the last backward of a step; the streaming stages hold their units
-  gathered, titan_async.pipeline.fsdp_stage): stage parameters x (compute + reduce bytes),
+  gathered, titan_async.parallel.fsdp_stage): stage parameters x (compute + reduce bytes),
   and PipeDream2BW keeps its other version gathered too (+ stage parameters x compute
   bytes). Without PP: the largest unit gathered twice (current and prefetched) plus its
   unsharded gradient.
@@ -215,7 +215,7 @@ def rank_memory(stages: list[StageShape], held: list[float], setup: Setup, trans
 def fsdp_traffic_bytes(schedule: str, stages: list[StageShape], setup: Setup, microbatches: int,
                        accumulation: int | None = None) -> dict[str, float]:
     """Bytes one rank of a pipeline stage all-gathers and reduce-scatters per steady-state step
-    (titan_async.fsdp_traffic counts the same): each gather moves the rank's stage parameters
+    (titan_async.parallel.fsdp_traffic counts the same): each gather moves the rank's stage parameters
     in the compute dtype, each reduction their gradients in the reduce dtype.
 
     torch's schedules gather once per step (the stages reshard after their last backward) and

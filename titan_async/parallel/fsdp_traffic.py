@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from titan_async.pipeline.fsdp_stage import FsdpStage
+from titan_async.parallel.fsdp_stage import FsdpStage
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """One training process: reads the run directory's config and trains (or resumes).
 
 Started in-process for a single local worker, or by torch's elastic launcher
-(`python -m torch.distributed.run ... -m titan_async.worker RUN_DIR`).
+(`python -m torch.distributed.run ... -m titan_async.run.worker RUN_DIR`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ import sys
 import warnings
 from pathlib import Path
 
-from titan_async import checkpoints, comm_log, platform, run_dir as runs
-from titan_async.platform import DropMessages
+from titan_async.core import platform
+from titan_async.core.platform import DropMessages
+from titan_async.run import checkpoints, comm_log, directory as runs
+from titan_async.run.process import exit_with_parent, restart_count
 
 
 def quiet_library_noise() -> None:
@@ -48,8 +50,6 @@ def _resume_point(run_dir: Path, run):
     """`run` set to load the run's latest intact checkpoint (torchtitan would take the latest
     with a .metadata file), unless `checkpoint.load_step` names one. After an elastic restart
     rank 0 logs the damaged checkpoints it skips, the step it resumes from and the steps lost."""
-    from titan_async.launch import restart_count
-
     if not run.checkpoint.enable or run.checkpoint.load_step != -1:
         return run
     restart = restart_count()
@@ -72,8 +72,6 @@ def train(run_dir: Path, verbose: bool = False, run=None) -> int:
     `run` is the resolved RunConfig; None reads the run directory's config.toml.
     """
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        from titan_async.launch import exit_with_parent
-
         exit_with_parent()
     platform.configure()
     comm_log.install_from_environment()
@@ -102,7 +100,7 @@ def train(run_dir: Path, verbose: bool = False, run=None) -> int:
 
 
 def main() -> None:
-    from titan_async.errors import UserError
+    from titan_async.core.errors import UserError
 
     run_dir = Path(sys.argv[1])
     try:

@@ -21,7 +21,7 @@ from torchtitan.components.metrics import BaseLogger, MetricsProcessor, _get_met
 from torchtitan.components.validate import Validator
 from torchtitan.tools.logging import logger
 
-from titan_async import platform
+from titan_async.core import platform
 
 LOSS = "loss_metrics/global_avg_loss"
 VALIDATION_LOSS = "validation_metrics/loss"

@@ -30,19 +30,19 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from titan_async.fsdp_traffic import count_fsdp_traffic
-from titan_async.health import HealthGuard, HealthSection
-from titan_async.init import canonical_name, reinitialize_by_name
+from titan_async.model.init import canonical_name, reinitialize_by_name
 from titan_async.optim import write_param_group_table
+from titan_async.parallel.fsdp_stage import FsdpStage
+from titan_async.parallel.fsdp_traffic import count_fsdp_traffic
 from titan_async.pipeline.config import microbatches
 from titan_async.pipeline.emulation import stage_modules, stage_view
 from titan_async.pipeline.executor import Microbatch, StageExecutor
-from titan_async.pipeline.fsdp_stage import FsdpStage
 from titan_async.pipeline.schedules import StreamingSchedule
 from titan_async.pipeline.stream import StreamEngine
 from titan_async.pipeline.trace import Timeline
 from titan_async.pipeline.transport import LocalTransport
 from titan_async.pipeline.versions import OneStepDelay, TwoVersions, make_policy, two_versions
+from titan_async.train.health import HealthGuard, HealthSection
 
 
 def _names(model: torch.nn.Module) -> list[str]:

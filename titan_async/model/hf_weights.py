@@ -14,7 +14,7 @@ import torch
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torchtitan.protocols.model_spec import ModelSpec
 
-from titan_async.errors import UserError
+from titan_async.core.errors import UserError
 
 EMBEDDING = "model.embed_tokens.weight"
 

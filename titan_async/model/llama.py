@@ -23,8 +23,8 @@ from torchtitan.models.common.attention import VarlenAttention
 from torchtitan.models.llama3.model import Llama3Model
 from torchtitan.protocols.model_spec import ModelSpec
 
-from titan_async import platform
-from titan_async.attention import DenseDocumentAttention
+from titan_async.core import platform
+from titan_async.model.attention import DenseDocumentAttention
 
 # Sizes of torchtitan's llama3 flavors; "vocab_size" 0 means "the tokenizer's".
 PRESETS: dict[str, dict[str, object]] = {

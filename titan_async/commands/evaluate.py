@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 from rich.console import Console
 from rich.table import Table
+from torch.distributed.checkpoint.api import CheckpointException
 from torchtitan.components.loss import IGNORE_INDEX
 
-from titan_async import launch, run_dir as runs
 from titan_async.config.assemble import trainer_config
 from titan_async.config.run_config import RunConfig, load_run_config
+from titan_async.run import directory as runs, process
 
 
 def _single_process(run: RunConfig) -> RunConfig:
@@ -44,7 +44,7 @@ def _build_trainer(run: RunConfig, checkpoint: Path, scratch: Path):
     """The trainer of `run` on one process, built as training builds it (same parallelize
     function, so the same mixed-precision compute), set to load only the model weights of
     `checkpoint`, with its outputs in `scratch`."""
-    launch.become_single_process()
+    process.become_single_process()
     config = trainer_config(_single_process(run), scratch)
     config.checkpoint = dataclasses.replace(
         config.checkpoint, initial_load_path=str(checkpoint.resolve()), initial_load_model_only=True

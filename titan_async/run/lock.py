@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from titan_async.errors import UserError
+from titan_async.core.errors import UserError
 
 LOCK_FILE = "run.lock"
 

@@ -1,16 +1,12 @@
-"""Starting the worker processes of a run: in-process, through torch's elastic launcher,
-or as one worker of a job that torchrun or Slurm already started."""
+"""What this process is within its job: started by torchrun or Slurm or by titan-async itself,
+which rank and node, whether it writes the run directory, and how many restarts it has seen."""
 
 from __future__ import annotations
 
 import os
 import signal
 import socket
-import subprocess
 import sys
-from pathlib import Path
-
-from titan_async import worker
 
 
 def launched_externally() -> bool:
@@ -78,39 +74,3 @@ def exit_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() == 1:  # the parent died before the call
         os._exit(1)
-
-
-def run(run_dir: Path, nproc_per_node: int, verbose: bool, run_config=None, max_restarts: int = 0) -> int:
-    """Train the run in `run_dir` on this node; returns the exit status.
-
-    Under an external launcher this process is one worker and trains `run_config`
-    (every rank resolved it from the same command line) instead of re-reading the file, and
-    restarts are that launcher's (torchrun --max-restarts). Otherwise, with
-    `max_restarts` > 0, torch's elastic agent restarts every worker up to that many times
-    after one fails, and each resumes from the run's latest intact checkpoint.
-    """
-    if launched_externally():
-        print(describe_process(), flush=True)
-        return worker.train(run_dir, verbose, run_config)
-    if nproc_per_node == 1 and not max_restarts:
-        become_single_process()
-        return worker.train(run_dir, verbose)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}", "--tee=0",
-        "-m", "titan_async.worker", str(run_dir),
-    ] + (["--verbose"] if verbose else [])
-    # Restarted workers would read the first attempt's gloo addresses from the agent's shared
-    # store and fail to connect; with their own store each attempt starts clean.
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if max_restarts else None
-    child = subprocess.Popen(command, env=env, preexec_fn=exit_with_parent)
-
-    def forward(signum: int, frame) -> None:
-        child.send_signal(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return child.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

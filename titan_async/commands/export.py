@@ -25,11 +25,11 @@ from tokenizers import Tokenizer, processors
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.models.llama3 import Llama3StateDictAdapter
 
-from titan_async import run_dir as runs
 from titan_async.config.run_config import load_run_config
+from titan_async.core.errors import UserError
 from titan_async.data.sources import tokenizer_dir
-from titan_async.errors import UserError
-from titan_async.plan import build_meta_model
+from titan_async.model.meta import build_meta_model
+from titan_async.run import directory as runs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SHARD_BYTES = 5 * 2**30

@@ -1,0 +1,98 @@
+"""The package layout the README's code map describes, read from the source with `ast`:
+no import cycles (lazy imports inside functions count), a root of the CLI and subpackages
+only, commands that import no other command, and tools/ holding scripts only."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "titan_async"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The titan_async modules `path` imports anywhere in its body: `from P import name` counts
+    P.name when that is a module, else P."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name in MODULES}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                if child in MODULES:
+                    found.add(child)
+                elif node.module in MODULES:
+                    found.add(node.module)
+    found.discard(_module_name(path))
+    return found
+
+
+GRAPH = {name: imported_modules(path) for name, path in MODULES.items()}
+
+
+def reachable(start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in GRAPH[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_graph_sees_imports():
+    assert "titan_async.run.worker" in GRAPH["titan_async.run.launch"]
+    assert "titan_async.config.assemble" in GRAPH["titan_async.run.worker"]  # imported inside a function
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    cycles = sorted(name for name in GRAPH if name in reachable(name))
+    assert not cycles, f"modules on an import cycle: {cycles}"
+
+
+def test_root_holds_cli_and_subpackages_only():
+    files = {p.name for p in PACKAGE.iterdir() if p.is_file() and p.suffix == ".py"}
+    assert files <= {"__init__.py", "__main__.py", "cli.py"}, sorted(files)
+    for folder in (p for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"):
+        init = folder / "__init__.py"
+        assert init.is_file(), f"{folder.name}/ is not a package"
+        assert ast.get_docstring(ast.parse(init.read_text())), f"{folder.name}/__init__.py says nothing of what it owns"
+
+
+def test_no_command_imports_another():
+    def command(name: str) -> str | None:
+        parts = name.split(".")
+        return parts[2] if len(parts) > 2 and parts[1] == "commands" and parts[2] != "pages" else None
+
+    crossing = [(name, target) for name in GRAPH if command(name)
+                for target in GRAPH[name] if command(target) not in (None, command(name))]
+    assert not crossing, crossing
+
+
+def test_code_map_matches_the_tree():
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Code map", 1)[1].split("\n## ", 1)[0]
+    mapped = set(re.findall(r"`titan_async/(\w+)/`", section))
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert mapped == packages
+
+
+def test_tools_hold_scripts_only():
+    scripts = [p for p in (REPO / "tools").rglob("*.py") if "shim" not in p.parts]  # the shim is a sitecustomize hook
+    siblings = {p.stem for p in scripts}
+    for script in scripts:
+        tree = ast.parse(script.read_text())
+        assert "__main__" in script.read_text(), f"{script} is not a script"
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        assert not imported & siblings, f"{script} imports another tool; shared code belongs in titan_async.experiments"

@@ -1,0 +1,15 @@
+"""`titan-async plan`: will a config's parallel layout fit its GPUs, and how big is its bubble?
+
+Needs no GPU, data or tokenizer. The model is built on the meta device with the config's
+vocabulary size and split into pipeline stages as torchtitan's pipeline builder splits it;
+each pipeline rank's memory is estimated (`estimate`, from the arithmetic in `memory`). A dry
+run (`dry_run`) then sets up the real world size with torch's fake process group (what
+torchtitan's `comm.mode = "fake_backend"` uses), one inspected rank at a time, and builds that
+rank's stage, FSDP2 wrapping, optimizer state and weight versions on the meta device, and its
+action list; the bytes those meta tensors stand for are compared with the estimate. `command`
+puts both into one JSON-ready plan, which `render` prints.
+
+The layout is the one `train` would build (`titan_async.config.assemble`): FSDP2 wraps
+every stage except the streaming schedules' stages without data parallelism. Whatever
+`train` would refuse about the config is reported as a warning.
+"""

@@ -1,0 +1,110 @@
+"""The plan command: the estimate and the dry run of a config on a cluster as one JSON-ready
+object, printed, with what `train` would refuse as warnings."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from titan_async.commands.plan.dry_run import ESTIMATE_ONLY_NOTE, dry_run
+from titan_async.commands.plan.estimate import (
+    Cluster,
+    check_world_size,
+    communication,
+    estimate_ranks,
+    make_layout,
+    make_setup,
+    resolve_vocab_size,
+    stage_shapes,
+)
+from titan_async.commands.plan.memory import compare_schedules, gib
+from titan_async.commands.plan.render import print_plan
+from titan_async.config.assemble import plain_parameters
+from titan_async.config.run_config import RunConfig
+from titan_async.core.errors import UserError
+from titan_async.model.meta import build_meta_model
+from titan_async.pipeline.schedules import SCHEDULE_NAMES, register as register_schedules
+
+
+def make_plan(run: RunConfig, cluster: Cluster) -> dict[str, Any]:
+    """Everything `plan` reports, as one JSON-ready object."""
+    check_world_size(run, cluster)
+    name = run.parallelism.pipeline_parallel_schedule
+    if name.lower() not in {known.lower() for known in SCHEDULE_NAMES}:
+        raise UserError(
+            f"{run.source}: parallelism.pipeline_parallel_schedule = {name!r}: unknown schedule; "
+            f"valid names are {', '.join(SCHEDULE_NAMES)}"
+        )
+    register_schedules()
+    warnings = []
+    try:
+        run.check(cluster.world_size)
+    except UserError as err:
+        warnings.append(f"titan-async train would stop with: {err}")
+    vocab = resolve_vocab_size(run)
+    model = build_meta_model(run, vocab, fsdp=not plain_parameters(run, cluster.world_size))
+    layout = make_layout(run, cluster, model.spec.model)
+    setup = make_setup(run, layout, vocab)
+    shapes = stage_shapes(model.module, layout.stage_modules)
+    rows = estimate_ranks(layout, shapes, setup, cluster)
+    for row in rows:
+        if not row["fits"]:
+            first, last = row["gpus"]
+            warnings.append(
+                f"pipeline rank {row['pp_rank']} (GPUs {first}-{last}) needs {gib(row['memory']['total']):.1f} GiB "
+                f"per GPU, more than --gpu-memory {gib(cluster.gpu_memory):.1f} GiB: it will not fit"
+            )
+    sizes = run.model.resolved(vocab)
+    parallelism, t = run.parallelism, run.training
+    schedules = compare_schedules(layout.pipeline_stages(), layout.microbatches)
+    for entry in schedules:
+        entry["selected"] = entry["name"].lower() == layout.schedule.lower() and layout.pipeline_stages() > 1
+    return {
+        "config": run.source,
+        "nodes": cluster.nodes,
+        "gpus_per_node": cluster.gpus_per_node,
+        "world_size": cluster.world_size,
+        "gpu_memory_bytes": cluster.gpu_memory,
+        "model": {
+            "preset": run.model.preset,
+            "parameters": sum(p.numel() for p in model.module.parameters()),
+            **{k: sizes[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "weight_tying")},
+            "ffn_dim": setup.ffn_dim,
+        },
+        "layout": {
+            "pipeline_parallel": layout.pp,
+            "pipeline_stages": layout.pipeline_stages(),
+            "data_parallel_shard": layout.fsdp,
+            "data_parallel_replicate": parallelism.data_parallel_replicate_degree,
+            "tensor_parallel": parallelism.tensor_parallel_degree,
+            "context_parallel": parallelism.context_parallel_degree,
+            "schedule": layout.schedule,
+            "microbatches": layout.microbatches,
+            "microbatch_tokens": setup.tokens,
+            "tokens_per_step": t.local_batch_size * t.seq_len * run.data_parallel_degree(cluster.world_size),
+            "fsdp_applied": layout.fsdp_applied,
+            "param_dtype": t.dtype,
+            "compute_dtype": t.mixed_precision_param if layout.fsdp_applied else t.dtype,
+            "reduce_dtype": t.mixed_precision_reduce,
+            "activation_checkpoint": run.activation_checkpoint.mode,
+            "float8": run.model.float8,
+            "optimizer": run.optimizer.name,
+            "error_feedback": run.optimizer.error_feedback.enabled,
+        },
+        "ranks": rows,
+        "peak_bytes": max(row["memory"]["total"] for row in rows),
+        "fits": all(row["fits"] for row in rows),
+        "schedules": schedules,
+        "communication": communication(layout, shapes, setup, run.parallelism.paci.accumulation),
+        "dry_run": {"ranks": dry_run(run, layout, model, cluster.world_size, rows), "note": ESTIMATE_ONLY_NOTE},
+        "warnings": warnings,
+    }
+
+
+def run_plan(run: RunConfig, cluster: Cluster, strict: bool, as_json: bool) -> int:
+    """Print the plan; 1 if `strict` and some rank does not fit, else 0. Warnings go to stderr."""
+    plan = make_plan(run, cluster)
+    print_plan(plan, as_json)
+    for warning in plan["warnings"]:
+        print(f"titan-async: warning: {warning}", file=sys.stderr)
+    return 1 if strict and not plan["fits"] else 0

@@ -1,0 +1,151 @@
+"""The plan's dry run: each inspected rank set up on torch's fake process group and the meta
+device as the trainer sets it up (stage, FSDP2 wrapping, weight versions, optimizer state,
+gradients), and the bytes of what it allocates, beside the estimate of the same components."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+from torchtitan.components.optimizer.utils import init_optim_state
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.utils import init_fake_mode, set_spmd_backend
+from torchtitan.tools.utils import device_type
+
+from titan_async.commands.plan.estimate import Layout
+from titan_async.commands.plan.memory import STATE_COMPONENTS
+from titan_async.config.assemble import ACTIVATION_CHECKPOINTS
+from titan_async.config.run_config import RunConfig
+from titan_async.model.meta import MetaModel
+from titan_async.optim.error_feedback import PREVIOUS_UPDATE, STEPS
+from titan_async.parallel.fsdp_stage import FsdpStage
+from titan_async.pipeline.versions import two_versions
+
+ESTIMATE_ONLY_NOTE = (
+    "activations, FSDP unsharded buffers and P2P buffers are estimates only: meta tensors hold no activations, "
+    "FSDP allocates unsharded buffers only while it gathers, and the pipeline transport only while it sends and receives"
+)
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def _no_loss(*args, **kwargs):
+    raise RuntimeError("the plan's dry run computes nothing")
+
+
+def _build_rank(run: RunConfig, model: MetaModel, world: int) -> tuple[list[torch.nn.Module], Any, int]:
+    """This (fake) rank's model parts, pipeline schedule (None without PP) and pipeline rank, on meta,
+    parallelized and initialized as the trainer does (initializing re-ties tied weights)."""
+    spec = model.spec
+    parallelism = run.parallelism
+    parallel_dims = ParallelDims.from_config(parallelism, world)
+    checkpointing = ACTIVATION_CHECKPOINTS[run.activation_checkpoint.mode]
+    common = dict(
+        parallel_dims=parallel_dims,
+        training=run.training,
+        parallelism=parallelism,
+        compile_config=dataclasses.replace(run.compile, enable=False),
+        ac_config=checkpointing() if checkpointing else None,
+        dump_folder="",
+    )
+    if parallel_dims.pp_enabled:
+        schedule, parts, _, _ = spec.pipelining_fn(
+            model.module, **common, device=torch.device(device_type), model_config=spec.model,
+            parallelize_fn=spec.parallelize_fn, loss_fn=_no_loss,
+        )
+        pp_rank = parallel_dims.get_mesh("pp").get_local_rank()
+    else:
+        schedule, parts, pp_rank = None, [spec.parallelize_fn(copy.deepcopy(model.module), **common)], 0
+    with torch.no_grad():
+        for part in parts:
+            part.init_weights(buffer_device=None)
+    return parts, schedule, pp_rank
+
+
+def _allocated_state(run: RunConfig, layout: Layout, parts: list[torch.nn.Module]) -> dict[str, int]:
+    """Bytes of the state tensors training creates on this rank (`STATE_COMPONENTS`), on meta:
+    its (sharded) parameters, the 2BW weight versions, the optimizer state and the sharded gradients."""
+    params = [p for part in parts for p in part.parameters()]
+    allocated = dict.fromkeys(STATE_COMPONENTS, 0)
+    allocated["weights"] = sum(_local_bytes(p) for p in params)
+    if layout.two_versions:
+        for part in parts:
+            versions = two_versions(part, layout.microbatches, FsdpStage.of(part))
+            allocated["weight_versions"] += sum(_local_bytes(t) for t in versions.copies())
+    # Fused kernels refuse meta tensors; the foreach implementation keeps the same state.
+    section = dataclasses.replace(run.optimizer, implementation="foreach")
+    optimizers = section.container_config().build(model_parts=parts)
+    for optimizer in optimizers.optimizers:
+        init_optim_state(optimizer)
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    component = "error_feedback" if key in (PREVIOUS_UPDATE, STEPS) else "optimizer"
+                    allocated[component] += _local_bytes(value)
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    allocated["gradients"] = sum(_local_bytes(p.grad) for p in params)
+    return allocated
+
+
+def _actions(schedule: Any, pp_rank: int) -> tuple[list[str], dict[str, int]]:
+    """The schedule's action list for `pp_rank` (torch's schedule IR; None = idle) and the
+    count of each action type. Streaming schedules give two windows and a drain."""
+    order = (getattr(schedule, "pipeline_order", None) or {}).get(pp_rank, [])
+    names = [str(action) if action is not None else "idle" for action in order]
+    counts = Counter(action.computation_type.value if action is not None else "idle" for action in order)
+    return names, dict(counts)
+
+
+def dry_run_rank(run: RunConfig, layout: Layout, model: MetaModel, world: int, rank: int) -> dict[str, Any]:
+    """Set up global rank `rank` of `world` with a fake process group and report what it holds."""
+    init_fake_mode(world, rank=rank)
+    try:
+        parts, schedule, pp_rank = _build_rank(run, model, world)
+        actions, counts = _actions(schedule, pp_rank)
+        return {
+            "rank": rank,
+            "pp_rank": pp_rank,
+            "stages": list(layout.rank_stages[pp_rank]),
+            "local_parameters": sum(
+                (p.to_local() if isinstance(p, DTensor) else p).numel() for part in parts for p in part.parameters()
+            ),
+            "fsdp_wrapped": any(isinstance(p, DTensor) for part in parts for p in part.parameters()),
+            "allocated": _allocated_state(run, layout, parts),
+            "actions": actions,
+            "action_counts": counts,
+        }
+    finally:
+        dist.destroy_process_group()
+        # DTensor caches sharding decisions by mesh equality across process groups.
+        _clear_sharding_prop_cache()
+
+
+def inspected_ranks(layout: Layout, world: int) -> list[int]:
+    """The first GPU of every pipeline rank, and the last GPU."""
+    per_rank = layout.gpus_per_pp_rank(world)
+    return sorted({r * per_rank for r in range(layout.pp)} | {world - 1})
+
+
+def dry_run(run: RunConfig, layout: Layout, model: MetaModel, world: int, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`dry_run_rank` for every inspected rank, with its pipeline rank's estimate of the same components."""
+    if dist.is_initialized():
+        raise RuntimeError("plan's dry run needs a process without a process group")
+    set_spmd_backend(run.parallelism.spmd_backend)
+    results = []
+    for rank in inspected_ranks(layout, world):
+        result = dry_run_rank(run, layout, model, world, rank)
+        estimate = {key: rows[result["pp_rank"]]["memory"][key] for key in STATE_COMPONENTS}
+        result["estimate"] = estimate
+        result["ratio"] = sum(result["allocated"].values()) / max(1, sum(estimate.values()))
+        results.append(result)
+    return results

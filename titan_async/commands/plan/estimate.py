@@ -1,0 +1,268 @@
+"""The plan's estimate: the layout `train` would build on a cluster (degrees, stages, which
+pipeline rank holds which), each stage's parameters as the optimizer routes them, and each
+pipeline rank's memory per GPU and FSDP traffic per step (arithmetic in `memory`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.distributed.pipeline_parallel import (
+    _generate_llm_fqn_per_model_part,
+    _get_pipeline_metadata,
+    _get_pp_rank_to_stage_indices_mapping,
+)
+from torchtitan.models.common import compute_ffn_hidden_dim
+
+from titan_async.commands.plan.memory import (
+    COMPARED_SCHEDULES,
+    Setup,
+    StageShape,
+    fsdp_traffic_bytes,
+    held_microbatches,
+    parse_size,
+    rank_memory,
+    transport_bytes,
+)
+from titan_async.config.assemble import plain_parameters, tokenizer_vocab_size
+from titan_async.config.run_config import RunConfig
+from titan_async.core.errors import UserError
+from titan_async.optim.routing import route_parameters
+from titan_async.pipeline.emulation import stage_modules
+from titan_async.pipeline.schedules import SchedulePipeDream2BW, streaming_schedule
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The GPUs a plan is made for."""
+
+    nodes: int
+    gpus_per_node: int
+    gpu_memory: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @classmethod
+    def parse(cls, nodes: int, gpus_per_node: int, gpu_memory: str) -> Cluster:
+        """UserError naming the argument for counts below 1 or an unreadable memory size."""
+        for flag, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node)):
+            if value < 1:
+                raise UserError(f"{flag} {value}: must be at least 1")
+        try:
+            memory = parse_size(gpu_memory)
+        except ValueError as err:
+            raise UserError(f"--gpu-memory {gpu_memory!r}: {err}") from None
+        return cls(nodes, gpus_per_node, memory)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How `run` splits over the cluster: degrees, stages and which pipeline rank holds which."""
+
+    pp: int
+    fsdp: int
+    """data_parallel_shard_degree, resolved."""
+    schedule: str
+    microbatches: int
+    stage_modules: list[list[str]]
+    rank_stages: list[tuple[int, ...]]
+    """Pipeline rank -> indices of the stages it holds."""
+    emulated: bool
+    fsdp_applied: bool
+    """Whether FSDP2 wraps the stages (`plain_parameters` says when it does not)."""
+    two_versions: bool
+    streaming: bool
+
+    def gpus_per_pp_rank(self, world_size: int) -> int:
+        return world_size // self.pp
+
+    def pipeline_stages(self) -> int:
+        return len(self.stage_modules) if self.pp > 1 or self.emulated else 1
+
+
+def check_world_size(run: RunConfig, cluster: Cluster) -> None:
+    """UserError unless the parallel degrees fit `cluster`'s GPU count."""
+    mismatch = run.degree_mismatch(cluster.world_size)
+    if mismatch:
+        named, product = mismatch
+        rule = "a multiple of" if run.parallelism.data_parallel_shard_degree == -1 else "equal to"
+        raise UserError(
+            f"--nodes {cluster.nodes} x --gpus-per-node {cluster.gpus_per_node} = {cluster.world_size} GPUs, but "
+            f"{run.source}: {named} = {product} needs a GPU count {rule} {product}"
+        )
+
+
+def resolve_vocab_size(run: RunConfig) -> int:
+    """model.vocab_size, or for 0 the tokenizer's: data.tokenizer's tokenizer.json, else the
+    built-in stdlib BPE's data.vocab_size (nothing is downloaded or built)."""
+    try:
+        vocab = int(run.model.resolved(0)["vocab_size"])
+    except ValueError as err:
+        raise UserError(f"{run.source}: {err}") from None
+    if vocab:
+        return vocab
+    if not run.data.tokenizer:
+        return run.data.vocab_size
+    directory = Path(run.data.tokenizer).expanduser()
+    if not (directory / "tokenizer.json").is_file():
+        raise UserError(
+            f"{run.source}: model.vocab_size = 0 takes the tokenizer's size, but data.tokenizer = "
+            f"{run.data.tokenizer!r} has no tokenizer.json; set model.vocab_size"
+        )
+    return tokenizer_vocab_size(directory)
+
+
+def make_layout(run: RunConfig, cluster: Cluster, model_config) -> Layout:
+    """Stages and their pipeline ranks, as torchtitan's pipeline builder (or the emulation) splits them."""
+    p, t = run.parallelism, run.training
+    pp = p.pipeline_parallel_degree
+    shard = p.data_parallel_shard_degree
+    if shard == -1:
+        shard = cluster.world_size // (pp * p.tensor_parallel_degree * p.context_parallel_degree * p.data_parallel_replicate_degree)
+    if (pp > 1 or p.emulated_stages) and t.local_batch_size % p.pipeline_parallel_microbatch_size:
+        raise UserError(
+            f"{run.source}: training.local_batch_size ({t.local_batch_size}) is not divisible into microbatches "
+            f"of parallelism.pipeline_parallel_microbatch_size ({p.pipeline_parallel_microbatch_size})"
+        )
+    layers = len(model_config.layers)
+    try:
+        if pp > 1:
+            # Of the parallel dims, torchtitan's metadata reads only the PP degree.
+            stages, _, first, last = _get_pipeline_metadata(SimpleNamespace(pp=pp), p, model_config)
+            modules = p.module_fqns_per_model_part or _generate_llm_fqn_per_model_part(stages, layers, first, last)
+            ranks = [_get_pp_rank_to_stage_indices_mapping(r, pp, p.pipeline_parallel_schedule, len(modules)) for r in range(pp)]
+        elif p.emulated_stages:
+            modules = stage_modules(p, layers)
+            ranks = [tuple(range(len(modules)))]
+        else:
+            modules, ranks = _generate_llm_fqn_per_model_part(1, layers), [(0,)]
+    except ValueError as err:
+        raise UserError(f"{run.source}: {err}") from None
+    streaming = streaming_schedule(p.pipeline_parallel_schedule)
+    return Layout(
+        pp=pp,
+        fsdp=shard,
+        schedule=p.pipeline_parallel_schedule,
+        microbatches=run.microbatches(),
+        stage_modules=modules,
+        rank_stages=ranks,
+        emulated=bool(p.emulated_stages) and pp == 1,
+        fsdp_applied=not plain_parameters(run, cluster.world_size),
+        two_versions=streaming is SchedulePipeDream2BW or bool(t.gradient_delay),
+        streaming=streaming is not None,
+    )
+
+
+def _owner(name: str) -> str:
+    """The top-level module a parameter belongs to, as the stage FQN lists name it."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+
+
+def stage_shapes(model: torch.nn.Module, modules: list[list[str]]) -> list[StageShape]:
+    """Parameter counts of each stage, routed to Muon or AdamW as the optimizer would."""
+    counts: Counter[str] = Counter()
+    matrices: Counter[str] = Counter()
+    for route in route_parameters(model):
+        owner = _owner(route.name)
+        counts[owner] += route.param.numel()
+        if route.optimizer == "muon":
+            matrices[owner] += route.param.numel()
+    shapes = []
+    for index, names in enumerate(modules):
+        units = [counts[n] for n in names if n not in ("norm", "lm_head")]
+        units.append(sum(counts[n] for n in names if n in ("norm", "lm_head")))
+        shapes.append(
+            StageShape(
+                index=index,
+                modules=tuple(names),
+                params=sum(counts[n] for n in names),
+                matrix_params=sum(matrices[n] for n in names),
+                layers=sum(n.startswith("layers.") for n in names),
+                largest_unit=max(units),
+                last="lm_head" in names,
+            )
+        )
+    return shapes
+
+
+def make_setup(run: RunConfig, layout: Layout, vocab: int) -> Setup:
+    """The per-rank memory parameters of `run` (dtypes, sharding, tokens per microbatch)."""
+    s, p, t = run.model.resolved(vocab), run.parallelism, run.training
+    dim, heads = int(s["dim"]), int(s["n_heads"])
+    split = p.context_parallel_degree * p.tensor_parallel_degree
+    sequences = p.pipeline_parallel_microbatch_size if layout.pp > 1 or layout.emulated else t.local_batch_size
+    compute = t.mixed_precision_param if layout.fsdp_applied else t.dtype
+    return Setup(
+        dim=dim,
+        kv_dim=int(s["n_kv_heads"]) * (dim // heads),
+        ffn_dim=compute_ffn_hidden_dim(dim, multiple_of=int(s["multiple_of"]), ffn_dim_multiplier=s["ffn_dim_multiplier"] or None),
+        vocab_size=vocab,
+        tokens=sequences * t.seq_len // split,
+        param_bytes=TORCH_DTYPE_MAP[t.dtype].itemsize,
+        compute_bytes=TORCH_DTYPE_MAP[compute].itemsize,
+        reduce_bytes=TORCH_DTYPE_MAP[t.mixed_precision_reduce].itemsize,
+        weight_shards=layout.fsdp * split if layout.fsdp_applied else 1,
+        fsdp=layout.fsdp_applied,
+        fsdp_degree=layout.fsdp,
+        unsharded_for_step=layout.pp > 1,
+        version_copies=int(layout.two_versions),
+        gathered_versions=int(layout.two_versions and layout.fsdp_applied and layout.pp > 1),
+        optimizer=run.optimizer.name,
+        error_feedback=run.optimizer.error_feedback.enabled,
+        activation_checkpoint=run.activation_checkpoint.mode,
+    )
+
+
+def _held(layout: Layout, rank: int) -> list[float]:
+    """Microbatches held in flight on each stage of pipeline rank `rank`."""
+    stages = layout.rank_stages[rank]
+    if layout.emulated:
+        return [min(layout.microbatches, len(stages) - s) for s in stages]
+    if layout.pp == 1:
+        return [1.0]
+    total = held_microbatches(layout.schedule, rank, layout.pp, layout.microbatches, len(stages))
+    return [total / len(stages)] * len(stages)
+
+
+def estimate_ranks(layout: Layout, shapes: list[StageShape], setup: Setup, cluster: Cluster) -> list[dict[str, Any]]:
+    """One row per pipeline rank: its GPUs, stages, held microbatches and memory per GPU."""
+    per_rank = layout.gpus_per_pp_rank(cluster.world_size)
+    rows = []
+    for rank, indices in enumerate(layout.rank_stages):
+        stages = [shapes[i] for i in indices]
+        held = _held(layout, rank)
+        transport = 0.0 if layout.emulated else transport_bytes(layout.schedule, rank, layout.pp, setup)
+        memory = {key: round(value) for key, value in rank_memory(stages, held, setup, transport).items()}
+        rows.append({
+            "pp_rank": rank,
+            "gpus": [rank * per_rank, (rank + 1) * per_rank - 1],
+            "stages": [{"index": s.index, "modules": list(s.modules), "parameters": s.params} for s in stages],
+            "parameters": sum(s.params for s in stages),
+            "held_microbatches": sum(held),
+            "memory": memory,
+            "fits": memory["total"] <= cluster.gpu_memory,
+        })
+    return rows
+
+
+def communication(layout: Layout, shapes: list[StageShape], setup: Setup, accumulation: int | None) -> list[dict[str, Any]]:
+    """FSDP bytes per steady-state step of every pipeline rank, for each schedule `plan` compares
+    (`fsdp_traffic_bytes`; each rank keeps this config's stages); empty without a pipeline or
+    without FSDP collectives."""
+    if layout.pp < 2 or not setup.fsdp or setup.fsdp_degree < 2:
+        return []
+    rows = []
+    for name in COMPARED_SCHEDULES:
+        ranks = [fsdp_traffic_bytes(name, [shapes[i] for i in indices], setup, layout.microbatches, accumulation)
+                 for indices in layout.rank_stages]
+        busiest = max(ranks, key=lambda r: r["all_gather"] + r["reduce_scatter"])
+        rows.append({"name": name, "ranks": ranks, "busiest": busiest, "selected": name.lower() == layout.schedule.lower()})
+    return rows

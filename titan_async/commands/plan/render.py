@@ -1,0 +1,187 @@
+"""How a plan is printed: one JSON object, rich tables on a terminal, or plain text."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from titan_async.commands.plan.memory import STATE_COMPONENTS, gib
+
+TIGHT = 0.9
+"""A rank above this share of --gpu-memory fits, but is reported as tight."""
+
+
+_SHORT_NAMES = {"tok_embeddings": "embed", "lm_head": "head"}
+
+
+def _modules(names: list[str]) -> str:
+    """A stage's modules, short: consecutive layers folded (embed, L0-4; L37-39, norm, head)."""
+    parts: list[str] = []
+    layers: list[int] = []
+
+    def flush() -> None:
+        if layers:
+            parts.append(f"L{layers[0]}" + (f"-{layers[-1]}" if len(layers) > 1 else ""))
+            layers.clear()
+
+    for name in names:
+        index = name.removeprefix("layers.")
+        if index.isdigit():
+            if layers and int(index) != layers[-1] + 1:
+                flush()
+            layers.append(int(index))
+        else:
+            flush()
+            parts.append(_SHORT_NAMES.get(name, name))
+    flush()
+    return ", ".join(parts)
+
+
+def _count(n: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{suffix}"
+    return str(n)
+
+
+_HEADERS = {"weights": "weights", "weight_versions": "2BW", "gradients": "grads", "optimizer": "optim",
+            "error_feedback": "EF", "fsdp_buffers": "FSDP", "p2p_buffers": "P2P", "activations": "act (held mb)"}
+
+
+@dataclass
+class Table:
+    """A titled table of strings; the first `left` columns are text, the rest numbers."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[str]]
+    left: int = 1
+
+
+def _memory_table(plan: dict[str, Any]) -> Table:
+    memory = plan["gpu_memory_bytes"]
+    table = Table(
+        "Memory per GPU (GiB); all GPUs of a pipeline rank hold the same (their FSDP shards)",
+        ["pp (GPUs)", "stage: modules", "params", *_HEADERS.values(), "total", f"of {gib(memory):g} GiB"],
+        [],
+        left=2,
+    )
+    for row in plan["ranks"]:
+        m = row["memory"]
+        share = m["total"] / memory
+        verdict = "NO" if share > 1 else "tight" if share > TIGHT else "fits"
+        stages = "; ".join(f"{s['index']}: {_modules(s['modules'])}" for s in row["stages"])
+        table.rows.append([
+            "{} ({}-{})".format(row["pp_rank"], *row["gpus"]), stages, _count(row["parameters"]),
+            *(f"{gib(m[key]):.2f}" for key in STATE_COMPONENTS), f"{gib(m['fsdp_buffers']):.2f}", f"{gib(m['p2p_buffers']):.2f}",
+            f"{gib(m['activations']):.2f} ({row['held_microbatches']:g})", f"{gib(m['total']):.2f}", f"{share:.0%} {verdict}",
+        ])
+    return table
+
+
+def _schedule_table(plan: dict[str, Any]) -> Table:
+    layout = plan["layout"]
+    return Table(
+        f"Schedules (p = {layout['pipeline_stages']} stages, m = {layout['microbatches']} microbatches; "
+        "Interleaved1F1B with v = 2 chunks per rank)",
+        ["schedule", "bubble", "throughput vs 1F1B", ""],
+        [[s["name"], f"{s['bubble']:.1%}", f"{s['relative_throughput']:.2f}x", "<- this config" if s["selected"] else ""]
+         for s in plan["schedules"]],
+    )
+
+
+def _communication_table(plan: dict[str, Any]) -> Table:
+    def total(row: dict[str, Any]) -> float:
+        return row["busiest"]["all_gather"] + row["busiest"]["reduce_scatter"]
+
+    rows = plan["communication"]
+    baseline = next(total(r) for r in rows if r["name"] == "1F1B")
+    return Table(
+        "FSDP communication per step, busiest rank (GB; steady state, titan_async.commands.plan.memory.fsdp_traffic_bytes)",
+        ["schedule", "all-gather", "reduce-scatter", "total", "vs 1F1B", ""],
+        [[r["name"], f"{r['busiest']['all_gather'] / 1e9:.2f}", f"{r['busiest']['reduce_scatter'] / 1e9:.2f}",
+          f"{total(r) / 1e9:.2f}", f"{total(r) / baseline:.2f}x",
+          "<- this config" if r["selected"] else ""] for r in rows],
+    )
+
+
+def _dry_run_table(plan: dict[str, Any]) -> Table:
+    table = Table(
+        f"Dry run: {plan['world_size']} ranks on a fake process group, meta device (GiB; {plan['dry_run']['note']})",
+        ["rank", "pp", "local params", *(_HEADERS[k] for k in STATE_COMPONENTS), "allocated", "estimate", "ratio", "actions"],
+        [],
+    )
+    for r in plan["dry_run"]["ranks"]:
+        table.rows.append([
+            str(r["rank"]), str(r["pp_rank"]), _count(r["local_parameters"]),
+            *(f"{gib(r['allocated'][k]):.2f}" for k in STATE_COMPONENTS),
+            f"{gib(sum(r['allocated'].values())):.2f}", f"{gib(sum(r['estimate'].values())):.2f}", f"{r['ratio']:.3f}",
+            ", ".join(f"{n} {kind}" for kind, n in r["action_counts"].items()) or "-",
+        ])
+    return table
+
+
+def _header(plan: dict[str, Any]) -> list[str]:
+    m, l = plan["model"], plan["layout"]
+    schedule = l["schedule"] if l["pipeline_stages"] > 1 else "no pipeline"
+    return [
+        f"plan: {plan['config']} on {plan['nodes']} node(s) x {plan['gpus_per_node']} GPU(s) = {plan['world_size']} GPUs "
+        f"of {gib(plan['gpu_memory_bytes']):g} GiB",
+        f"model: {m['preset']}, {m['parameters']:,} parameters (dim {m['dim']}, {m['n_layers']} layers, "
+        f"{m['n_heads']} heads, {m['n_kv_heads']} KV heads, FFN {m['ffn_dim']}, vocab {m['vocab_size']})",
+        f"layout: PP {l['pipeline_parallel']} x FSDP {l['data_parallel_shard']} x replicate {l['data_parallel_replicate']} "
+        f"x TP {l['tensor_parallel']} x CP {l['context_parallel']}; {schedule}, {l['microbatches']} microbatch(es) "
+        f"of {l['microbatch_tokens']} tokens per GPU, {l['tokens_per_step']:,} tokens per step",
+        f"precision: weights {l['param_dtype']}, compute {l['compute_dtype']}, reduce {l['reduce_dtype']}"
+        f"{'' if l['fsdp_applied'] else ' (no FSDP2: streaming stages without data parallelism)'}"
+        f"{'' if l['float8'] == 'none' else ', float8 ' + l['float8'] + ' linears'}; "
+        f"activation checkpointing {l['activation_checkpoint']}; optimizer {l['optimizer']}"
+        f"{' + error feedback' if l['error_feedback'] else ''}",
+    ]
+
+
+def _plain(table: Table) -> str:
+    cells = [table.columns, *table.rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(table.columns))]
+    lines = [table.title]
+    for row in cells:
+        lines.append("  ".join(c.ljust(w) if i < table.left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+    return "\n".join(lines)
+
+
+def _print_rich(header: list[str], tables: list[Table]) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table as RichTable
+
+    console = Console()
+    for line in header:
+        console.print(line, highlight=False)
+    for table in tables:
+        rich_table = RichTable(title=table.title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+        for i, column in enumerate(table.columns):
+            rich_table.add_column(column, justify="left" if i < table.left else "right")
+        for row in table.rows:
+            rich_table.add_row(*row)
+        console.print(rich_table)
+
+
+def print_plan(plan: dict[str, Any], as_json: bool) -> None:
+    """One JSON object, rich tables on a terminal, or plain text."""
+    if as_json:
+        print(json.dumps(plan))
+        return
+    tables = [_memory_table(plan), _schedule_table(plan), *([_communication_table(plan)] if plan["communication"] else []),
+              _dry_run_table(plan)]
+    if sys.stdout.isatty():
+        _print_rich(_header(plan), tables)
+    else:
+        print("\n".join(_header(plan)))
+        for table in tables:
+            print("\n" + _plain(table))
+    for rank in plan["dry_run"]["ranks"]:
+        if rank["actions"]:
+            more = " ..." if len(rank["actions"]) > 16 else ""
+            print(f"rank {rank['rank']} actions ({len(rank['actions'])}): {' '.join(rank['actions'][:16])}{more}")

@@ -1,0 +1,76 @@
+"""What a run directory recorded, read once: its config, launch settings, training and
+validation scalars by step (metrics.jsonl) and each pipeline rank's measured bubble."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from titan_async.core.errors import UserError
+from titan_async.run import directory as runs
+
+TRAIN_LOSS = "loss_metrics/global_avg_loss"
+VALIDATION_LOSS = "validation_metrics/loss"
+THROUGHPUT = "throughput(tps)"
+MEMORY = "memory/max_reserved(GiB)"
+BUBBLE = "pipeline/bubble"
+
+
+@dataclass
+class RunRecord:
+    """What a run directory holds, read once."""
+
+    directory: Path
+    config_text: str
+    config: dict
+    launch: dict
+    train: dict[int, dict]
+    """Step -> training scalars (the last row logged for that step)."""
+    validation: dict[int, dict]
+    rank_bubbles: dict[int, dict[int, float]]
+    """Pipeline rank -> step -> measured bubble, from pipeline/rankR.jsonl."""
+
+
+def _json_rows(path: Path) -> list[dict]:
+    """The JSON objects of a JSON-lines file; a line cut short by a killed run is skipped."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def read_run(directory: Path, argument: str = "--run-dir") -> RunRecord:
+    """Read `directory`; UserError naming `argument` if it is not a run directory or has logged
+    no training step."""
+    launch = runs.load_launch(directory, argument)
+    metrics_file = directory / "metrics.jsonl"
+    rows = _json_rows(metrics_file) if metrics_file.is_file() else []
+    train = {row["step"]: row for row in rows if row.get("kind") == "train"}
+    if not train:
+        raise UserError(f"{argument} {directory}: no training step logged yet ({metrics_file.name} is missing or empty)")
+    bubbles = {}
+    for path in sorted((directory / "pipeline").glob("rank*.jsonl")):
+        per_step = {row["step"]: row["bubble"] for row in _json_rows(path) if row.get("bubble") is not None}
+        if per_step:
+            bubbles[int(path.stem.removeprefix("rank"))] = per_step
+    config_text = (directory / runs.CONFIG_FILE).read_text()
+    return RunRecord(
+        directory=directory,
+        config_text=config_text,
+        config=tomllib.loads(config_text),
+        launch=launch,
+        train=train,
+        validation={row["step"]: row for row in rows if row.get("kind") == "validation"},
+        rank_bubbles=bubbles,
+    )
+
+
+def series(rows: dict[int, dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the rows that logged `key`, in step order."""
+    steps = [step for step in sorted(rows) if rows[step].get(key) is not None]
+    return steps, [rows[step][key] for step in steps]
