@@ -14,6 +14,7 @@ import math
 import tempfile
 from pathlib import Path
 
+import datasets
 import torch
 import torch.distributed as dist
 from rich.console import Console
@@ -107,6 +108,7 @@ def greedy_continuation(model, tokenizer, prompt: str, max_new_tokens: int) -> s
 def evaluate_checkpoint(checkpoint: Path, *, as_json: bool, prompt: str, max_new_tokens: int) -> int:
     """Print the evaluation of `checkpoint`; returns the exit status."""
     step = runs.checkpoint_step(checkpoint)
+    datasets.disable_progress_bars()  # a cold cache would print its data-preparation bars
     run_dir = checkpoint.parent.parent
     run = load_run_config(run_dir / runs.CONFIG_FILE)
     world_size = runs.load_launch(run_dir).get("world_size", 1)
