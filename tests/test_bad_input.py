@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,15 +98,16 @@ def test_resume_needs_a_complete_checkpoint(capsys, tmp_path):
 
 
 def test_eval_missing_checkpoint(capsys, tmp_path):
+    (tmp_path / "checkpoint" / "step-2").mkdir(parents=True)
     err = fail(capsys, "eval", "--checkpoint", str(tmp_path / "checkpoint" / "step-3"))
-    assert "expected a checkpoint directory RUN/checkpoint/step-N" in err
+    assert "step-3: no such checkpoint (the run has: step-2)" in err
 
 
 def test_eval_incomplete_checkpoint(capsys, tmp_path):
     step = tmp_path / "checkpoint" / "step-3"
     step.mkdir(parents=True)
     err = fail(capsys, "eval", "--checkpoint", str(step))
-    assert "incomplete checkpoint (no .metadata" in err
+    assert "cannot read the checkpoint (no .metadata: the save did not finish)" in err
 
 
 def test_eval_corrupt_checkpoint(capsys, tmp_path):
@@ -161,3 +164,83 @@ def test_zbv_with_validation_is_refused_before_launch(capsys):
     err = fail(capsys, "train", "--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--nproc-per-node", "2",
                *sets("parallelism.pipeline_parallel_schedule=ZBVZeroBubble"))
     assert "parallelism.pipeline_parallel_schedule = 'ZBVZeroBubble' cannot validate" in err and "validation.enable = false" in err
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_numbers_are_refused(capsys, tmp_path, value):
+    err = fail(capsys, "config", "show", *sets(f"optimizer.lr={value}"))
+    assert f"--set 'optimizer.lr={value}': optimizer.lr: expected a finite number, got float" in err
+    path = write(tmp_path / "bad.toml", f"[optimizer.muon]\nadamw_lr = {value}\n")
+    err = fail(capsys, "config", "show", "--config", str(path))
+    assert f"{path}: optimizer.muon.adamw_lr: expected a finite number" in err
+
+
+def test_a_set_typo_is_blamed_on_the_set(capsys):
+    err = fail(capsys, "config", "show", *sets("training.stepz=5"))
+    assert err == "titan-async: --set 'training.stepz=5': [training]: unknown key 'stepz' (did you mean 'steps'?)"
+    err = fail(capsys, "config", "show", *sets("trainig.steps=5"))
+    assert err.startswith("titan-async: --set 'trainig.steps=5': unknown section [trainig] (did you mean 'training'?)")
+
+
+def test_more_stages_than_layers_is_one_line_before_launch(capsys, tmp_path):
+    err = fail(capsys, "train", "--config", "debug_cpu_pp2", "--nproc-per-node", "4", "--run-dir", str(tmp_path / "run"),
+               *sets("parallelism.pipeline_parallel_degree=4", "model.n_layers=1"))
+    assert "Number of stages (4) cannot be greater than effective layers (3)" in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command", ["train", "resume"])
+def test_run_dir_naming_a_file(capsys, tmp_path, command):
+    path = write(tmp_path / "notes.txt", "mine")
+    err = fail(capsys, command, "--run-dir", str(path))
+    assert err == f"titan-async: --run-dir {path}: is a file; give a directory"
+    assert path.read_text() == "mine"
+
+
+def test_config_naming_a_directory(capsys, tmp_path):
+    err = fail(capsys, "config", "show", "--config", str(tmp_path))
+    assert err == f"titan-async: --config {tmp_path}: is a directory; give a TOML file or the name of a shipped config"
+
+
+def test_version_is_the_installed_one(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out == f"titan-async {version('titan-async')}\n"
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["train", "--nproc-per-node", "0"], ["frobnicate"]])
+def test_help_version_and_argument_errors_import_no_torch(args):
+    probe = ("import sys\nfrom titan_async import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+             "print('torch' in sys.modules, file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60)
+    assert result.stderr.strip().splitlines()[-1] == "False", result.stderr
+
+
+def _resumable_fake_run(folder: Path, *assignments: str) -> Path:
+    """A run directory of debug_cpu with `assignments`, holding one (tiny, intact) checkpoint."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from titan_async.config.run_config import load_run_config, render_toml
+
+    folder.mkdir()
+    write(folder / "config.toml", render_toml(load_run_config(CONFIGS / "debug_cpu.toml", list(assignments))))
+    dcp.save({"w": torch.ones(1)}, checkpoint_id=str(folder / "checkpoint" / "step-1"), no_dist=True)
+    return folder
+
+
+def test_resume_names_the_switched_optimizer_not_what_it_leaves_behind(capsys, tmp_path):
+    run = _resumable_fake_run(tmp_path / "run", "optimizer.name=muon", "optimizer.muon.adamw_lr=1e-3")
+    err = fail(capsys, "resume", "--run-dir", str(run), *sets("optimizer.name=adamw"))
+    assert err == ("titan-async: --set 'optimizer.name=adamw': the checkpoints hold state for optimizer.name = 'muon', "
+                   "resume cannot switch it; start a new run (train --run-dir NEW), or keep the setting")
+
+
+def test_resume_says_what_a_schedule_switch_leaves(capsys, tmp_path):
+    run = _resumable_fake_run(tmp_path / "run")
+    err = fail(capsys, "resume", "--run-dir", str(run), *sets("parallelism.pipeline_parallel_schedule=PipeDream2BW",
+                                                              "parallelism.emulated_stages=2", "parallelism.pipeline_parallel_microbatch_size=1"))
+    assert "the checkpoints hold state for 'no weight versions (a synchronous schedule)', resume cannot switch to " \
+           "'PipeDream2BW on 2 stages'" in err

@@ -123,10 +123,20 @@ def checkpoint(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoint" / f"step-{step}"
 
 
-def test_damage_is_found_from_metadata_and_sizes(saved, tmp_path):
+def flip_a_byte(path: Path) -> None:
+    """Damage `path` in place, its length unchanged."""
+    with open(path, "r+b") as handle:
+        handle.seek(path.stat().st_size // 2)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_damage_is_found_from_metadata_sizes_and_checksums(saved, tmp_path):
     intact = checkpoint(saved, 4)
     assert damage(intact) is None
     for name, harm, reason in [
+        ("in place", lambda c: flip_a_byte(c / "__0_0.distcp"), r"__0_0.distcp does not match its checksum \(damaged in place\)"),
         ("truncated", lambda c: os.truncate(c / "__0_0.distcp", 100), r"__0_0.distcp truncated \(100 of \d+ bytes\)"),
         ("missing", lambda c: (c / "__0_0.distcp").unlink(), r"__0_0.distcp missing"),
         ("garbled", lambda c: (c / ".metadata").write_bytes(b"not a pickle"), r"unreadable .metadata \(\w+\)"),
@@ -147,16 +157,25 @@ def test_every_checkpoint_damaged_is_one_line(saved, capsys, tmp_path):
     assert all(checkpoint(run_dir, step).is_dir() for step in range(1, 5))
 
 
+def test_eval_and_export_refuse_a_checkpoint_damaged_in_place(saved, capsys, tmp_path):
+    step = checkpoint(shutil.copytree(saved, tmp_path / "run"), 2)
+    flip_a_byte(step / "__0_0.distcp")
+    for command in (("eval", "--checkpoint", str(step)), ("export", "--checkpoint", str(step), "--out", str(tmp_path / "hf"))):
+        code, _, err = cli_in_process(capsys, *command)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"--checkpoint {step}: cannot read the checkpoint (__0_0.distcp does not match its checksum" in err
+
+
 def test_resume_skips_damaged_checkpoints(saved):
     """Runs last among the tests of `saved`: the resume saves step-3 and step-4 again."""
     first = losses(saved)
-    os.truncate(checkpoint(saved, 4) / "__0_0.distcp", 100)
+    flip_a_byte(checkpoint(saved, 4) / "__0_0.distcp")
     (checkpoint(saved, 3) / ".metadata").write_bytes(b"garbled")
     result = run_cli("resume", "--run-dir", str(saved))
     warnings = [line for line in result.stderr.splitlines() if line.startswith("titan-async: warning:")]
     assert len(warnings) == 2, result.stderr
     assert re.fullmatch(rf"titan-async: warning: skipping damaged checkpoint {re.escape(str(checkpoint(saved, 4)))} "
-                        r"\(__0_0.distcp truncated \(100 of \d+ bytes\)\); resuming from step-2", warnings[0])
+                        r"\(__0_0.distcp does not match its checksum \(damaged in place\)\); resuming from step-2", warnings[0])
     assert warnings[1] == (f"titan-async: warning: skipping damaged checkpoint {checkpoint(saved, 3)} "
                            "(unreadable .metadata (UnpicklingError)); resuming from step-2")
     assert "from step-2" in result.stdout

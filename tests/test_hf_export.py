@@ -170,7 +170,7 @@ def test_run_started_from_the_export_sees_its_loss(single_export, tmp_path):
 
 def test_export_of_a_missing_checkpoint(capsys, tmp_path):
     err = fail(capsys, "export", "--checkpoint", str(tmp_path / "run" / "checkpoint" / "step-3"), "--out", str(tmp_path / "hf"))
-    assert "expected a checkpoint directory RUN/checkpoint/step-N" in err
+    assert "step-3: no such checkpoint (the run has: none)" in err
     assert not (tmp_path / "hf").exists()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -177,6 +178,19 @@ def test_streaming_resume_is_exact(tmp_path, schedule):
     full = train(tmp_path / "full", *common, nproc="2", config="debug_cpu_pp2.toml")
     split = train(tmp_path / "split", *common, "training.steps=3", nproc="2", config="debug_cpu_pp2.toml")
     run_cli("resume", "--run-dir", str(split), *sets(f"training.steps={STEPS}"))
+    assert_same_run(full, split, rel=1e-6)
+
+
+def test_2bw_resumes_exactly_from_its_first_step_checkpoint(tmp_path):
+    """The first-step checkpoint, a save torchtitan decides on its own, is drained like the others."""
+    full = train(tmp_path / "full", "parallelism.pipeline_parallel_schedule=PipeDream2BW", "parallelism.emulated_stages=2",
+                 "parallelism.pipeline_parallel_microbatch_size=1", "optimizer.name=muon",
+                 "checkpoint.enable_first_step_checkpoint=true", "checkpoint.keep_latest_k=0")
+    split = shutil.copytree(full, tmp_path / "split")
+    for step in (3, STEPS):
+        shutil.rmtree(split / "checkpoint" / f"step-{step}")
+    result = run_cli("resume", "--run-dir", str(split))
+    assert "from step-1" in result.stdout
     assert_same_run(full, split, rel=1e-6)
 
 

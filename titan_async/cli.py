@@ -9,9 +9,8 @@ from contextlib import nullcontext
 from importlib import resources
 from pathlib import Path
 
-from titan_async.core import platform
+from titan_async import __version__
 from titan_async.core.errors import UserError
-from titan_async.run import worker
 
 DEFAULT_CONFIG = "debug_cpu"
 
@@ -36,6 +35,7 @@ def positive_int(text: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="titan-async", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     def config_args(p: argparse.ArgumentParser) -> None:
@@ -105,6 +105,8 @@ def _shipped_configs() -> Path:
 def _config_path(name: str | None) -> Path:
     """A TOML path, or a shipped config named with or without `.toml` (or as train_configs/NAME)."""
     path = Path(name or DEFAULT_CONFIG)
+    if path.is_dir():
+        raise UserError(f"--config {path}: is a directory; give a TOML file or the name of a shipped config")
     if path.is_file() or str(path.parent) not in (".", "train_configs") or path.suffix not in ("", ".toml"):
         return path  # a file, or a path that reading reports missing
     shipped = _shipped_configs() / f"{path.stem}.toml"
@@ -117,7 +119,8 @@ def _config_path(name: str | None) -> Path:
 def _train(args) -> int:
     from titan_async.config.assemble import trainer_config
     from titan_async.config.run_config import load_run_config, render_toml
-    from titan_async.run import directory as runs, launch, process
+    from titan_async.run import directory as runs, process
+    from titan_async.run.overwrite import claim
 
     _check_max_restarts(args.max_restarts)
     path = _config_path(args.config)
@@ -127,20 +130,21 @@ def _train(args) -> int:
     directory = args.run_dir or runs.new_run_dir(path.stem, process.job_id())
     if process.restart_count():  # torchrun restarted this worker: the run continues from its checkpoint
         return _launch(directory, nproc, args.verbose, run, args.max_restarts)
+    trainer_config(run, directory, process.world_size(nproc))  # every check of the new run, before the directory is touched
     with _coordinator_lock(directory):
         if process.is_coordinator():
-            runs.claim(directory, args.overwrite)
-        trainer_config(run, directory, process.world_size(nproc))
-        if process.is_coordinator():
+            overwritten = claim(directory, args.overwrite)
             runs.save_launch(directory, render_toml(run), nproc)
             print(f"run directory: {directory}", flush=True)
+            if overwritten:
+                print(f"the run it held is kept in {overwritten} until this run writes an intact checkpoint", flush=True)
         return _launch(directory, nproc, args.verbose, run, args.max_restarts)
 
 
 def _resume(args) -> int:
-    from titan_async.config.assemble import check_resumable, trainer_config
+    from titan_async.config.assemble import check_resumable, refuse_switches, trainer_config
     from titan_async.config.run_config import load_run_config, render_toml
-    from titan_async.run import directory as runs, launch, process
+    from titan_async.run import directory as runs, process
     from titan_async.run.checkpoints import resume_point
 
     _check_max_restarts(args.max_restarts)
@@ -148,10 +152,14 @@ def _resume(args) -> int:
     with _coordinator_lock(args.run_dir):
         point = resume_point(args.run_dir, warn=_warning if process.is_coordinator() else lambda message: None)
         if point is None:
-            raise UserError(f"--run-dir {args.run_dir}: no complete checkpoint to resume from (checkpoint/step-N/.metadata)")
+            aside = args.run_dir / runs.OVERWRITTEN_DIR
+            kept = f"; the run it replaced is in {aside}: move its files back to resume that one" if aside.is_dir() else ""
+            raise UserError(f"--run-dir {args.run_dir}: no complete checkpoint to resume from (checkpoint/step-N/.metadata){kept}")
         nproc = args.nproc_per_node or settings["nproc_per_node"]
+        saved = load_run_config(args.run_dir / "config.toml", [])
+        refuse_switches(saved, args.set)
         run = load_run_config(args.run_dir / "config.toml", args.set)
-        check_resumable(load_run_config(args.run_dir / "config.toml", []), run)
+        check_resumable(saved, run)
         run.check(process.world_size(nproc))
         trainer_config(run, args.run_dir, process.world_size(nproc))
         if process.is_coordinator():
@@ -164,7 +172,7 @@ def _resume(args) -> int:
 def _coordinator_lock(directory: Path):
     """The run directory's lock (titan_async.run.lock) in the process that writes the run
     directory; none in other ranks, nor in workers torchrun restarted (the first attempt took it)."""
-    from titan_async.run import launch, process
+    from titan_async.run import process
     from titan_async.run.lock import run_dir_lock
 
     if process.is_coordinator() and not process.restart_count():
@@ -177,7 +185,7 @@ def _warning(message: str) -> None:
 
 
 def _check_max_restarts(count: int) -> None:
-    from titan_async.run import launch, process
+    from titan_async.run import process
 
     if count < 0:
         raise UserError(f"--max-restarts {count}: expected a count >= 0")
@@ -187,11 +195,17 @@ def _check_max_restarts(count: int) -> None:
 
 def _launch(directory: Path, nproc: int, verbose: bool, run, max_restarts: int) -> int:
     from titan_async.run import directory as runs, launch, process
+    from titan_async.run.overwrite import release_overwritten
 
     status = launch.run(directory, nproc, verbose, run, max_restarts)
     if not process.is_coordinator():
         return status
     _draw_pipeline_trace(directory)
+    traces = directory / "comm_traces"  # NCCL's flight recorder dumps here on a hang; gloo never does
+    if traces.is_dir() and not any(traces.iterdir()):
+        traces.rmdir()
+    if not release_overwritten(directory) and (directory / runs.OVERWRITTEN_DIR).is_dir():
+        _warning(f"this run has no intact checkpoint, so the run it replaced is kept in {directory / runs.OVERWRITTEN_DIR}")
     stop = runs.early_stop(directory)
     if stop is None:
         return status
@@ -261,7 +275,11 @@ def _config_show(args) -> int:
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.ERROR)
-    worker.quiet_library_noise()
+    # torch comes in here, once the arguments are known to be good: --help, --version and their errors stay fast.
+    from titan_async.core import platform
+    from titan_async.run.worker import quiet_library_noise
+
+    quiet_library_noise()
     platform.configure()
     handlers = {"train": _train, "resume": _resume, "eval": _eval, "export": _export, "config": _config_show,
                 "report": _report, "compare": _compare, "plan": _plan}

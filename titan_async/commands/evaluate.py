@@ -25,6 +25,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from titan_async.config.assemble import trainer_config
 from titan_async.config.run_config import RunConfig, load_run_config
 from titan_async.run import directory as runs, process
+from titan_async.run.checkpoints import checked_step
 
 
 def _single_process(run: RunConfig) -> RunConfig:
@@ -107,7 +108,7 @@ def greedy_continuation(model, tokenizer, prompt: str, max_new_tokens: int) -> s
 
 def evaluate_checkpoint(checkpoint: Path, *, as_json: bool, prompt: str, max_new_tokens: int) -> int:
     """Print the evaluation of `checkpoint`; returns the exit status."""
-    step = runs.checkpoint_step(checkpoint)
+    step = checked_step(checkpoint)
     datasets.disable_progress_bars()  # a cold cache would print its data-preparation bars
     run_dir = checkpoint.parent.parent
     run = load_run_config(run_dir / runs.CONFIG_FILE)

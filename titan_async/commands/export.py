@@ -30,6 +30,7 @@ from titan_async.core.errors import UserError
 from titan_async.data.sources import tokenizer_dir
 from titan_async.model.meta import build_meta_model
 from titan_async.run import directory as runs
+from titan_async.run.checkpoints import checked_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SHARD_BYTES = 5 * 2**30
@@ -189,7 +190,7 @@ def _claim_output(out: Path, overwrite: bool) -> Path:
 def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "float32", overwrite: bool = False) -> None:
     """Write `checkpoint`'s model as a Hugging Face Llama directory at `out`. The export is built
     beside `out` and moved into place at the end, so a failed export leaves `out` as it was."""
-    runs.checkpoint_step(checkpoint)
+    checked_step(checkpoint)
     run = load_run_config(checkpoint.parent.parent / runs.CONFIG_FILE)
     scratch = _claim_output(out, overwrite)
     try:

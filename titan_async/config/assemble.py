@@ -10,13 +10,14 @@ from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
-from titan_async.config.run_config import RunConfig
+from titan_async.config.run_config import RunConfig, set_value
 from titan_async.core import platform
 from titan_async.core.errors import UserError
 from titan_async.data.sources import prepare
 from titan_async.model.hf_weights import check_hf_weights
 from titan_async.model.llama import build_model_spec
 from titan_async.pipeline.schedules import register as register_schedules, streaming_schedule
+from titan_async.pipeline.split import split_stages
 from titan_async.train.trainer import AsyncTrainer
 
 ACTIVATION_CHECKPOINTS = {"none": None, "selective": SelectiveAC.Config, "full": FullAC.Config}
@@ -33,7 +34,7 @@ def _weight_versions(run: RunConfig) -> bool:
 def checkpoint_contents(run: RunConfig) -> dict[str, object]:
     """The settings that decide which states a checkpoint holds, by the keys that set them."""
     p = run.parallelism
-    versions = None
+    versions = "no weight versions (a synchronous schedule)"
     if run.training.gradient_delay:
         versions = "gradient_delay = 1"
     elif streaming_schedule(p.pipeline_parallel_schedule):
@@ -45,15 +46,29 @@ def checkpoint_contents(run: RunConfig) -> dict[str, object]:
     }
 
 
+_SWITCH_ADVICE = "start a new run (train --run-dir NEW), or keep the setting"
+
+
 def check_resumable(saved: RunConfig, run: RunConfig) -> None:
     """Raise UserError when `run` would need states that `saved`'s checkpoints do not hold."""
     before, after = checkpoint_contents(saved), checkpoint_contents(run)
     for key, value in before.items():
         if after[key] != value:
-            raise UserError(
-                f"{key}: the checkpoints hold state for {value!r}, resume cannot switch to {after[key]!r}; "
-                "start a new run (train --run-dir NEW), or keep the setting"
-            )
+            raise UserError(f"{key}: the checkpoints hold state for {value!r}, resume cannot switch to {after[key]!r}; {_SWITCH_ADVICE}")
+
+
+def refuse_switches(saved: RunConfig, assignments: list[str]) -> None:
+    """UserError naming the first `--set` of resume that changes the optimizer, error feedback or
+    the gradient delay, before the rest of the config is checked (which may otherwise object to
+    what the switch leaves behind, e.g. an [optimizer.muon] table under AdamW)."""
+    current = {"optimizer.name": saved.optimizer.name, "optimizer.error_feedback.enabled": saved.optimizer.error_feedback.enabled,
+               "training.gradient_delay": saved.training.gradient_delay}
+    for assignment in assignments:
+        key, _, _ = assignment.partition("=")
+        key = key.strip()
+        if key in current and set_value(assignment) != current[key]:
+            raise UserError(f"--set {assignment!r}: the checkpoints hold state for {key} = {current[key]!r}, "
+                            f"resume cannot switch it; {_SWITCH_ADVICE}")
 
 
 def plain_parameters(run: RunConfig, world_size: int) -> bool:
@@ -80,6 +95,10 @@ def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncT
             fsdp=not plain_parameters(run, world_size),
             compiled=compile.enable and "model" in compile.components,
         )
+    except ValueError as err:
+        raise UserError(f"{run.source}: {err}") from None
+    try:
+        split_stages(run.parallelism, model_spec.model)
     except ValueError as err:
         raise UserError(f"{run.source}: {err}") from None
     if run.checkpoint.initial_load_in_hf:

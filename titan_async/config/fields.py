@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from typing import Any, Literal, Union
 
-_SCALARS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+_SCALARS = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}
 
 
 def describe(hint: Any) -> str | None:
@@ -35,7 +36,7 @@ def coerce(value: Any, hint: Any) -> tuple[bool, Any]:
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool), value
     if hint is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         return ok, float(value) if ok else None
     if hint is str:
         return isinstance(value, str), value

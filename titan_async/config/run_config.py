@@ -154,23 +154,34 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise UserError(f"{path}: TOML syntax error: {err}") from None
 
 
+def set_value(assignment: str) -> Any:
+    """The value of `--set key=value`, in TOML syntax; bare words are strings."""
+    raw = assignment.partition("=")[2].strip()
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
 def apply_set(document: dict[str, Any], assignment: str) -> None:
     """Apply one `--set section[.subsection].key=value` (value in TOML syntax; bare words are strings)."""
-    key, sep, raw = assignment.partition("=")
+    key, sep, _ = assignment.partition("=")
     parts = key.strip().split(".")
     if not sep or len(parts) < 2 or not all(parts):
         raise UserError(f"--set {assignment!r}: expected section.key=value, e.g. training.steps=50")
-    try:
-        value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw.strip()
+    value = set_value(assignment)
     table = document
     for part in parts[:-1]:
         table = table.setdefault(part, {})
     table[parts[-1]] = value
 
 
-def _section(name: str, default: Any, values: Any, source: str) -> Any:
+def _origin(key: str, source: str, assignments: dict[str, str]) -> str:
+    """Where the value of dotted `key` came from: its `--set`, else the config file."""
+    return f"--set {assignments[key]!r}" if key in assignments else source
+
+
+def _section(name: str, default: Any, values: Any, source: str, assignments: dict[str, str]) -> Any:
     where = f"{source}: [{name}]"
     if not isinstance(values, dict):
         raise UserError(f"{source}: {name} must be a table [{name}], got a {type_name(values)}")
@@ -178,15 +189,16 @@ def _section(name: str, default: Any, values: Any, source: str) -> Any:
     nested = subsections(default)
     updates = {}
     for key, value in values.items():
+        origin = _origin(f"{name}.{key}", source, assignments)
         if key in nested:
-            updates[key] = _section(f"{name}.{key}", nested[key], value, source)
+            updates[key] = _section(f"{name}.{key}", nested[key], value, source, assignments)
             continue
         if key not in allowed:
-            raise UserError(f"{where}: unknown key {key!r}{closest(key, [*allowed, *nested])}")
+            raise UserError(f"{origin}: [{name}]: unknown key {key!r}{closest(key, [*allowed, *nested])}")
         ok, converted = coerce(value, allowed[key])
         if not ok:
             raise UserError(
-                f"{source}: {name}.{key}: expected {describe(allowed[key])}, got {type_name(value)} {json.dumps(value)}"
+                f"{origin}: {name}.{key}: expected {describe(allowed[key])}, got {type_name(value)} {json.dumps(value)}"
             )
         updates[key] = converted
     try:
@@ -205,17 +217,20 @@ def _hf_initial_load(checkpoint: Any) -> None:
         checkpoint["initial_load_path"] = str(Path(checkpoint["initial_load_path"]).expanduser().resolve())
 
 
-def build_run_config(document: dict[str, Any], source: str) -> RunConfig:
-    """Check `document` against the sections and return the resolved RunConfig."""
+def build_run_config(document: dict[str, Any], source: str, assignments: dict[str, str] | None = None) -> RunConfig:
+    """Check `document` against the sections and return the resolved RunConfig. `assignments`
+    maps the dotted keys that `--set` gave to their assignment, which errors then name."""
+    assignments = assignments or {}
     defaults = _default_sections()
     for name in document:
         if name not in defaults:
-            raise UserError(f"{source}: unknown section [{name}]{closest(name, defaults)}")
+            origin = next((f"--set {a!r}" for key, a in assignments.items() if key.split(".")[0] == name), source)
+            raise UserError(f"{origin}: unknown section [{name}]{closest(name, defaults)}")
     if document.get("parallelism", {}).get("pipeline_parallel_degree", 1) != 1:
         # CUDA graphs cannot capture a pipeline schedule.
         defaults["training"] = dataclasses.replace(defaults["training"], disable_cuda_graphs=True)
     _hf_initial_load(document.get("checkpoint"))
-    sections = {name: _section(name, default, document.get(name, {}), source) for name, default in defaults.items()}
+    sections = {name: _section(name, default, document.get(name, {}), source, assignments) for name, default in defaults.items()}
     run = RunConfig(source=source, **sections)
     _check_counts(run)
     return run
@@ -249,7 +264,7 @@ def load_run_config(path: Path, assignments: list[str] = ()) -> RunConfig:
     document = read_toml(path)
     for assignment in assignments:
         apply_set(document, assignment)
-    return build_run_config(document, str(path))
+    return build_run_config(document, str(path), {a.partition("=")[0].strip(): a for a in assignments})
 
 
 def _toml_value(value: Any) -> str:

@@ -11,13 +11,14 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from titan_async.core.errors import UserError
+from titan_async.run import checksums
 from titan_async.run.directory import CHECKPOINT_DIR
 
 
 def damage(checkpoint: Path) -> str | None:
     """Why `checkpoint` cannot be loaded (.metadata missing or unreadable, a file it names missing
-    or shorter than the data it locates there), or None when it looks intact. Reads the metadata
-    and file sizes only, not the tensors."""
+    or shorter than the data it locates there, a file that no longer matches its recorded
+    checksum), or None when it is intact. Reads every file once when checksums were recorded."""
     if not (checkpoint / ".metadata").is_file():
         return "no .metadata: the save did not finish"
     try:
@@ -35,7 +36,21 @@ def damage(checkpoint: Path) -> str | None:
             return f"{name} missing"
         if path.stat().st_size < size:
             return f"{name} truncated ({path.stat().st_size} of {size} bytes)"
-    return None
+    return checksums.mismatch(checkpoint)
+
+
+def checked_step(checkpoint: Path) -> int:
+    """N of an intact checkpoint directory RUN/checkpoint/step-N; UserError naming --checkpoint otherwise."""
+    match = re.fullmatch(r"step-(\d+)", checkpoint.name)
+    if match is None or checkpoint.parent.name != CHECKPOINT_DIR:
+        raise UserError(f"--checkpoint {checkpoint}: expected a checkpoint directory RUN/checkpoint/step-N")
+    if not checkpoint.is_dir():
+        saved = ", ".join(p.name for _, p in reversed(_saved(checkpoint.parent.parent))) or "none"
+        raise UserError(f"--checkpoint {checkpoint}: no such checkpoint (the run has: {saved})")
+    problem = damage(checkpoint)
+    if problem is not None:
+        raise UserError(f"--checkpoint {checkpoint}: cannot read the checkpoint ({problem})")
+    return int(match.group(1))
 
 
 def _saved(run_dir: Path) -> list[tuple[int, Path]]:
@@ -43,6 +58,11 @@ def _saved(run_dir: Path) -> list[tuple[int, Path]]:
     folder = run_dir / CHECKPOINT_DIR
     found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := re.fullmatch(r"step-(\d+)", p.name))] if folder.is_dir() else []
     return sorted(found, reverse=True)
+
+
+def has_intact_checkpoint(run_dir: Path) -> bool:
+    """Whether some checkpoint of the run in `run_dir` is intact (`damage`)."""
+    return any(damage(checkpoint) is None for _, checkpoint in _saved(run_dir))
 
 
 def resume_point(run_dir: Path, warn: Callable[[str], None]) -> tuple[int, Path] | None:

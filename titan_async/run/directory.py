@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 import time
 from pathlib import Path
 
@@ -15,7 +13,10 @@ CONFIG_FILE = "config.toml"
 STOPPED_FILE = "stopped.json"
 LAUNCH_FILE = "launch.json"
 CHECKPOINT_DIR = "checkpoint"
-_OUTPUTS = (CHECKPOINT_DIR, "tb", "logs", "metrics.jsonl", STOPPED_FILE, "comm_traces")
+OVERWRITTEN_DIR = "overwritten"
+RUN_FILES = (CONFIG_FILE, LAUNCH_FILE, CHECKPOINT_DIR, "tb", "logs", "metrics.jsonl", STOPPED_FILE, "comm_traces",
+             "pipeline", "optimizer_groups.txt", "report", "compare")
+"""What a run writes into its directory, its lock aside: what `train --overwrite` moves away."""
 
 
 def new_run_dir(config_name: str, job_id: str | None = None, root: Path = Path("runs")) -> Path:
@@ -23,38 +24,10 @@ def new_run_dir(config_name: str, job_id: str | None = None, root: Path = Path("
     return root / f"{config_name}-{job_id or time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def checkpoint_step(checkpoint: Path) -> int:
-    """N of a complete checkpoint directory RUN/checkpoint/step-N; UserError otherwise."""
-    match = re.fullmatch(r"step-(\d+)", checkpoint.name)
-    if not checkpoint.is_dir() or match is None:
-        raise UserError(f"--checkpoint {checkpoint}: expected a checkpoint directory RUN/checkpoint/step-N")
-    if not (checkpoint / ".metadata").is_file():
-        raise UserError(f"--checkpoint {checkpoint}: incomplete checkpoint (no .metadata; the save did not finish)")
-    return int(match.group(1))
-
-
 def unreadable_checkpoint(checkpoint: Path, err: BaseException) -> UserError:
     """The one-line error for a checkpoint whose files DCP cannot read."""
     reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
     return UserError(f"--checkpoint {checkpoint}: cannot read the checkpoint ({reason})")
-
-
-def claim(run_dir: Path, overwrite: bool) -> None:
-    """Make `run_dir` ready for a new run; refuse to discard a run's checkpoints unless `overwrite`."""
-    if (run_dir / CHECKPOINT_DIR).exists() and any((run_dir / CHECKPOINT_DIR).iterdir()):
-        if not overwrite:
-            raise UserError(
-                f"--run-dir {run_dir}: already holds checkpoints; continue it with "
-                f"`titan-async resume --run-dir {run_dir}` or pass --overwrite to discard them"
-            )
-    if overwrite:
-        for name in _OUTPUTS:
-            path = run_dir / name
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
-    run_dir.mkdir(parents=True, exist_ok=True)
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -83,7 +56,7 @@ def load_launch(run_dir: Path, argument: str = "--run-dir") -> dict:
     """The launch settings of an existing run; UserError naming `argument` if `run_dir` is not a
     run directory."""
     if not run_dir.is_dir():
-        raise UserError(f"{argument} {run_dir}: no such directory")
+        raise UserError(f"{argument} {run_dir}: {'is a file; give a directory' if run_dir.exists() else 'no such directory'}")
     if not (run_dir / CONFIG_FILE).is_file():
         raise UserError(f"{argument} {run_dir}: not a titan-async run directory (no {CONFIG_FILE})")
     launch = run_dir / LAUNCH_FILE

@@ -21,6 +21,8 @@ LOCK_FILE = "run.lock"
 def run_dir_lock(run_dir: Path, argument: str = "--run-dir") -> Iterator[None]:
     """Hold `run_dir`'s lock (creating the directory) for the block; UserError naming `argument`
     if another run holds it. Child processes do not inherit the lock file."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"{argument} {run_dir}: is a file; give a directory")
     run_dir.mkdir(parents=True, exist_ok=True)
     handle = open(run_dir / LOCK_FILE, "a+")
     try:

@@ -16,6 +16,7 @@ from pathlib import Path
 from titan_async.core import platform
 from titan_async.core.platform import DropMessages
 from titan_async.run import checkpoints, comm_log, directory as runs
+from titan_async.run.after_save import AfterSaves
 from titan_async.run.process import exit_with_parent, restart_count
 
 
@@ -86,12 +87,15 @@ def train(run_dir: Path, verbose: bool = False, run=None) -> int:
 
     run = _resume_point(run_dir, run or load_run_config(run_dir / runs.CONFIG_FILE))
     trainer = trainer_config(run, run_dir, int(os.environ.get("WORLD_SIZE", "1"))).build()
+    after_saves = AfterSaves(trainer.checkpointer, run_dir) if dist.get_rank() == 0 else None
     if dist.get_rank() == 0:
         runs.record_world_size(run_dir, dist.get_world_size())
     try:
         trainer.train()
     finally:
         trainer.close()
+        if after_saves is not None:
+            after_saves.finish()
     if trainer.stop_reason is not None and dist.get_rank() == 0:
         runs.record_stop(run_dir, trainer.step, trainer.stop_reason)
     if dist.is_initialized():

@@ -166,6 +166,8 @@ class AsyncTrainer(Trainer):
         self.delay: OneStepDelay | None = None
         self.timeline = None
         policies = self._attach_weight_policies()
+        if self.stream is not None:
+            self._drain_before_every_save()
         if policies and self.checkpointer.enable:
             self.checkpointer.states["weight_versions"] = WeightVersionState(policies, self)
             if any(isinstance(policy, TwoVersions) for policy, _ in policies.values()):
@@ -352,6 +354,20 @@ class AsyncTrainer(Trainer):
         for executor in self.stream.executors:
             if isinstance(executor.policy, OneStepDelay):
                 executor.policy.activate(self.step + 1)
+
+    def _drain_before_every_save(self) -> None:
+        """Drain the stream wherever the checkpointer saves, on every save it decides on (the
+        first-step checkpoint and any save torchtitan adds included), so that no checkpoint holds
+        microbatches in flight. `_must_drain` drains the saves it foresees inside the step."""
+        checkpointer, save = self.checkpointer, self.checkpointer.save
+
+        def drained_save(step: int, last_step: bool = False) -> bool:
+            if checkpointer._should_save(step, last_step) and not self.stream.drained:
+                with self.train_context():
+                    self._drain()
+            return save(step, last_step=last_step)
+
+        checkpointer.save = drained_save
 
     def _record_rank_step(self) -> None:
         """This rank's pipeline scalars for the step (end time, step time, peak memory; with a

@@ -7,16 +7,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torchtitan.config import TORCH_DTYPE_MAP
-from torchtitan.distributed.pipeline_parallel import (
-    _generate_llm_fqn_per_model_part,
-    _get_pipeline_metadata,
-    _get_pp_rank_to_stage_indices_mapping,
-)
 from torchtitan.models.common import compute_ffn_hidden_dim
 
 from titan_async.commands.plan.memory import (
@@ -33,8 +27,8 @@ from titan_async.config.assemble import plain_parameters, tokenizer_vocab_size
 from titan_async.config.run_config import RunConfig
 from titan_async.core.errors import UserError
 from titan_async.optim.routing import route_parameters
-from titan_async.pipeline.emulation import stage_modules
 from titan_async.pipeline.schedules import SchedulePipeDream2BW, streaming_schedule
+from titan_async.pipeline.split import split_stages
 
 
 @dataclass(frozen=True)
@@ -131,18 +125,8 @@ def make_layout(run: RunConfig, cluster: Cluster, model_config) -> Layout:
             f"{run.source}: training.local_batch_size ({t.local_batch_size}) is not divisible into microbatches "
             f"of parallelism.pipeline_parallel_microbatch_size ({p.pipeline_parallel_microbatch_size})"
         )
-    layers = len(model_config.layers)
     try:
-        if pp > 1:
-            # Of the parallel dims, torchtitan's metadata reads only the PP degree.
-            stages, _, first, last = _get_pipeline_metadata(SimpleNamespace(pp=pp), p, model_config)
-            modules = p.module_fqns_per_model_part or _generate_llm_fqn_per_model_part(stages, layers, first, last)
-            ranks = [_get_pp_rank_to_stage_indices_mapping(r, pp, p.pipeline_parallel_schedule, len(modules)) for r in range(pp)]
-        elif p.emulated_stages:
-            modules = stage_modules(p, layers)
-            ranks = [tuple(range(len(modules)))]
-        else:
-            modules, ranks = _generate_llm_fqn_per_model_part(1, layers), [(0,)]
+        modules, ranks = split_stages(p, model_config)
     except ValueError as err:
         raise UserError(f"{run.source}: {err}") from None
     streaming = streaming_schedule(p.pipeline_parallel_schedule)

@@ -1,0 +1,44 @@
+"""What rank 0 does after each checkpoint save of a run: record the checksums of the finished
+save (`checksums`), delete the run that `train --overwrite` replaced once this run has an intact
+checkpoint (`overwrite`), and keep `checkpoint.keep_latest_k` also after the final save (torchtitan
+skips its purge there, leaving one checkpoint more than asked for)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from titan_async.run import directory as runs
+from titan_async.run.checksums import ChecksumRecorder
+from titan_async.run.overwrite import release_overwritten
+
+
+class AfterSaves:
+    """Wraps `checkpointer.save` (torchtitan's CheckpointManager) on the rank that writes the run
+    directory; `finish` waits for the checksums still being computed."""
+
+    def __init__(self, checkpointer, run_dir: Path) -> None:
+        self.checkpointer = checkpointer
+        self.run_dir = run_dir
+        self.recorder = ChecksumRecorder()
+        self._save = checkpointer.save
+        checkpointer.save = self.save
+
+    def save(self, step: int, last_step: bool = False) -> bool:
+        saved = self._save(step, last_step=last_step)
+        if not saved:
+            return False
+        checkpoint = self.run_dir / runs.CHECKPOINT_DIR / f"step-{step}"
+        pending = getattr(self.checkpointer, "save_future", None)  # asynchronous modes write later
+        if pending is not None and not pending.done():
+            pending.add_done_callback(lambda future: self.recorder.start(checkpoint))
+        else:
+            self.recorder.start(checkpoint)
+        if last_step:
+            self.checkpointer._purge_stale_checkpoints()
+        if (self.run_dir / runs.OVERWRITTEN_DIR).is_dir() and release_overwritten(self.run_dir):
+            logging.getLogger("titan_async").info(f"deleted {self.run_dir / runs.OVERWRITTEN_DIR}: this run has an intact checkpoint")
+        return True
+
+    def finish(self) -> None:
+        self.recorder.join()
