@@ -202,3 +202,41 @@ def test_run_directory_lock(tmp_path, capsys):
     resumed = run_cli("resume", "--run-dir", str(run_dir), *sets(f"training.steps={latest + 1}"))
     assert f"from step-{latest}" in resumed.stdout
     assert max(losses(run_dir)) == latest + 1
+
+
+def _launch_long_pp2_run(run_dir: Path, output: Path) -> subprocess.Popen:
+    """A 2-process run far longer than the test, started in the background, once it logged 2 steps."""
+    launcher = start("train", "--run-dir", str(run_dir), "--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--nproc-per-node", "2",
+                     *sets(*TINY, "training.steps=100000", "checkpoint.interval=100000"), output=output)
+    deadline = time.monotonic() + 300
+    while not ((run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text().count('"train"') >= 2):
+        assert launcher.poll() is None and time.monotonic() < deadline, output.read_text()[-3000:]
+        time.sleep(0.05)
+    return launcher
+
+
+def test_ctrl_c_twice_stops_a_multi_process_run_cleanly_and_a_third_aborts(tmp_path):
+    launcher = _launch_long_pp2_run(tmp_path / "stop", tmp_path / "stop.out")
+    for _ in range(2):
+        launcher.send_signal(signal.SIGINT)
+        time.sleep(0.1)
+    assert launcher.wait(timeout=300) == 130
+    output = (tmp_path / "stop.out").read_text()
+    assert "Traceback" not in output and "a stop is under way" in output, output[-5000:]
+    stopped = json.loads((tmp_path / "stop" / "stopped.json").read_text())["step"]
+    assert f"stopped at step {stopped} by signal, with a checkpoint" in output
+    assert damage(tmp_path / "stop" / "checkpoint" / f"step-{stopped}") is None
+
+    launcher = _launch_long_pp2_run(tmp_path / "abort", tmp_path / "abort.out")
+    family = descendants(launcher.pid)  # the agent and both workers
+    assert len(family) >= 3
+    for _ in range(3):
+        launcher.send_signal(signal.SIGINT)
+        time.sleep(0.1)
+    assert launcher.wait(timeout=120) == 130
+    output = (tmp_path / "abort.out").read_text()
+    assert "Traceback" not in output and "aborted: the steps since the last checkpoint are lost" in output, output[-5000:]
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in family) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in family if alive(pid)]

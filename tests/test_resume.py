@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -85,3 +85,11 @@ def test_resume_refuses_settings_the_checkpoint_has_no_state_for(two_step_run, c
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and key in err and "start a new run" in err and len(err.splitlines()) == 1, err
     assert sorted(p.name for p in (run_dir / "checkpoint").iterdir()) == ["step-2"]
+
+
+def test_a_resume_that_diverges_does_not_exit_0(two_step_run, tmp_path):
+    run_dir = shutil.copytree(two_step_run, tmp_path / "run")
+    # eps = 0: AdamW's first update of an embedding row that saw no token is 0/0.
+    result = run_cli("resume", "--run-dir", str(run_dir), *sets("training.steps=3", "optimizer.eps=0"), check=False)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "titan-async: warning: the validation loss at step 3 is nan: the model diverged" in result.stderr

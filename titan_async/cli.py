@@ -196,6 +196,7 @@ def _check_max_restarts(count: int) -> None:
 def _launch(directory: Path, nproc: int, verbose: bool, run, max_restarts: int) -> int:
     from titan_async.run import directory as runs, launch, process
     from titan_async.run.overwrite import release_overwritten
+    from titan_async.run.record import diverged_validation
 
     status = launch.run(directory, nproc, verbose, run, max_restarts)
     if not process.is_coordinator():
@@ -208,6 +209,10 @@ def _launch(directory: Path, nproc: int, verbose: bool, run, max_restarts: int) 
         _warning(f"this run has no intact checkpoint, so the run it replaced is kept in {directory / runs.OVERWRITTEN_DIR}")
     stop = runs.early_stop(directory)
     if stop is None:
+        diverged = diverged_validation(directory) if status == 0 else None
+        if diverged:
+            _warning(f"the validation loss at step {diverged[0]} is {diverged[1]}: the model diverged (see {directory}/metrics.jsonl)")
+            return 3
         return status
     cause = "signal" if stop["reason"] == "signal" else f"too many steps with non-finite gradients (see {directory}/logs)"
     print(f"stopped at step {stop['step']} by {cause}, with a checkpoint; continue with: titan-async resume --run-dir {directory}")
@@ -288,6 +293,9 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as err:
         print(f"titan-async: {err}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("titan-async: aborted: the steps since the last checkpoint are lost", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import sys
+from pathlib import Path
 
 
 def launched_externally() -> bool:
@@ -74,3 +75,16 @@ def exit_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() == 1:  # the parent died before the call
         os._exit(1)
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc; elsewhere none)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry.parent.name))
+    return found

@@ -4,6 +4,7 @@ validation scalars by step (metrics.jsonl) and each pipeline rank's measured bub
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,3 +75,11 @@ def series(rows: dict[int, dict], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of the rows that logged `key`, in step order."""
     steps = [step for step in sorted(rows) if rows[step].get(key) is not None]
     return steps, [rows[step][key] for step in steps]
+
+
+def diverged_validation(directory: Path) -> tuple[int, float] | None:
+    """(step, loss) of the last validation in `directory`'s metrics.jsonl when that loss is not finite."""
+    path = directory / "metrics.jsonl"
+    rows = [row for row in _json_rows(path) if row.get("kind") == "validation"] if path.is_file() else []
+    loss = rows[-1].get(VALIDATION_LOSS) if rows else None
+    return (rows[-1]["step"], loss) if isinstance(loss, float) and not math.isfinite(loss) else None

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import random
+import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,26 +104,28 @@ class StopRequest:
     """Turns SIGINT/SIGTERM, or too many non-finite gradients, into a stop that all ranks
     see at the same step.
 
-    Launchers forward a Ctrl-C that the terminal already delivered, so a repeat
-    within `patience` seconds is the same request; a later one aborts at once.
+    The first signal asks for the stop; the second (a launcher may forward a Ctrl-C that the
+    terminal already delivered) only says that it is under way; the third aborts at once.
     """
 
     REASONS = (None, "signal", "nonfinite")
 
-    def __init__(self, patience: float = 3.0) -> None:
+    def __init__(self) -> None:
         self.reason: str | None = None
-        self.received_at = 0.0
-        self.patience = patience
+        self.signals = 0
         self.pending: tuple[torch.Tensor, dist.Work] | None = None
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame) -> None:
-        now = time.monotonic()
-        if self.reason is not None and now - self.received_at > self.patience:
+        self.signals += 1
+        if self.signals == 1:
+            self.reason = self.reason or "signal"
+        elif self.signals == 2 and os.environ.get("RANK", "0") == "0":
+            print("titan-async: a stop is under way: the ranks finish their step and save a checkpoint; "
+                  "a third signal aborts, losing the steps since the last checkpoint", file=sys.stderr, flush=True)
+        elif self.signals > 2:
             raise KeyboardInterrupt
-        if self.reason is None:
-            self.reason, self.received_at = "signal", now
 
     def request(self, reason: str) -> None:
         self.reason = self.reason or reason
