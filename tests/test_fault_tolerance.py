@@ -157,13 +157,16 @@ def test_every_checkpoint_damaged_is_one_line(saved, capsys, tmp_path):
     assert all(checkpoint(run_dir, step).is_dir() for step in range(1, 5))
 
 
-def test_eval_and_export_refuse_a_checkpoint_damaged_in_place(saved, capsys, tmp_path):
-    step = checkpoint(shutil.copytree(saved, tmp_path / "run"), 2)
-    flip_a_byte(step / "__0_0.distcp")
-    for command in (("eval", "--checkpoint", str(step)), ("export", "--checkpoint", str(step), "--out", str(tmp_path / "hf"))):
-        code, _, err = cli_in_process(capsys, *command)
-        assert code == 2 and len(err.strip().splitlines()) == 1, err
-        assert f"--checkpoint {step}: cannot read the checkpoint (__0_0.distcp does not match its checksum" in err
+def test_eval_and_export_refuse_a_damaged_checkpoint_in_one_line(saved, capsys, tmp_path):
+    run_dir = shutil.copytree(saved, tmp_path / "run")
+    flip_a_byte(checkpoint(run_dir, 2) / "__0_0.distcp")
+    os.truncate(checkpoint(run_dir, 1) / "__0_0.distcp", 100)
+    for step, reason in ((2, "__0_0.distcp does not match its checksum"), (1, "__0_0.distcp truncated")):
+        path = checkpoint(run_dir, step)
+        for command in (("eval", "--checkpoint", str(path)), ("export", "--checkpoint", str(path), "--out", str(tmp_path / "hf"))):
+            code, _, err = cli_in_process(capsys, *command)
+            assert code == 2 and len(err.strip().splitlines()) == 1, err
+            assert f"--checkpoint {path}: cannot read the checkpoint ({reason}" in err
 
 
 def test_resume_skips_damaged_checkpoints(saved):

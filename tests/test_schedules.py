@@ -27,14 +27,25 @@ def test_streaming_window_order_p2_m4():
     assert drain_actions(1, 2, 4, 1) == []
 
 
-def test_every_microbatch_runs_forward_then_backward_once_per_stage():
-    order = pipeline_order(num_stages=4, microbatches=8, windows=5, drain_every=2)
+@pytest.mark.parametrize("microbatches", [8, 3])  # 3 = stages - 1: the fewest PACI accepts
+def test_every_microbatch_runs_forward_then_backward_once_per_stage(microbatches):
+    order = pipeline_order(num_stages=4, microbatches=microbatches, windows=5, drain_every=2)
     for rank, actions in order.items():
         done = [str(a) for a in actions]
-        assert len(done) == len(set(done)) == 2 * 8 * 5
-        for k in range(40):
+        assert len(done) == len(set(done)) == 2 * microbatches * 5
+        for k in range(5 * microbatches):
             assert done.index(f"{rank}F{k}") < done.index(f"{rank}B{k}")
-        assert max(len([a for a in actions[:i] if "F" in str(a)]) - len([a for a in actions[:i] if "B" in str(a)]) for i in range(len(actions))) <= 8 + 3 - rank
+        in_flight = [len([a for a in actions[:i] if "F" in str(a)]) - len([a for a in actions[:i] if "B" in str(a)])
+                     for i in range(len(actions))]
+        assert max(in_flight) <= microbatches + 3 - rank
+
+
+def test_paci_refuses_fewer_microbatches_than_its_first_stage_holds(capsys, tmp_path):
+    code, _, err = cli_in_process(capsys, "train", "--run-dir", str(tmp_path / "run"), *sets(
+        "parallelism.pipeline_parallel_schedule=PACI", "parallelism.emulated_stages=4",
+        "training.local_batch_size=2", "parallelism.pipeline_parallel_microbatch_size=1"))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "needs at least as many microbatches as the first stage holds in flight (stages - 1)" in err and "= 2 < 3" in err
 
 
 @pytest.mark.parametrize(
@@ -44,6 +55,8 @@ def test_every_microbatch_runs_forward_then_backward_once_per_stage():
         ("parallelism.pipeline_parallel_microbatch_size=8", "needs at least as many microbatches as stages"),
         ("parallelism.paci.accumulation=0", "parallelism.paci.accumulation must be >= 1, got 0"),
         ("training.gradient_delay=2", "training.gradient_delay must be 0 or 1, got 2"),
+        ("checkpoint.async_mode=async", "checkpoint.async_mode = 'async' cannot run with PipeDream2BW"),
+        ("checkpoint.async_mode=async_with_pinned_mem", "checkpoint.async_mode = 'async_with_pinned_mem' cannot run with"),
     ],
 )
 def test_bad_schedule_settings(capsys, tmp_path, assignment, message):

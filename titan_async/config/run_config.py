@@ -20,6 +20,7 @@ from titan_async.model.llama import ModelSection
 from titan_async.optim.lr_schedule import RunLRSchedulers
 from titan_async.optim.section import OptimizerSection
 from titan_async.pipeline.config import DelayTraining, PipelineParallelism, check_pipeline, microbatches
+from titan_async.pipeline.schedules import streaming_schedule
 from titan_async.train.health import HealthSection
 from titan_async.train.progress import RunMetrics, RunValidator
 
@@ -137,6 +138,12 @@ class RunConfig:
         problem = check_pipeline(t, p, dp, self.microbatches())
         if problem:
             raise UserError(f"{self.source}: {problem}")
+        if streaming_schedule(p.pipeline_parallel_schedule) and self.checkpoint.async_mode != "disabled":
+            raise UserError(
+                f"{self.source}: checkpoint.async_mode = {self.checkpoint.async_mode!r} cannot run with "
+                f"{p.pipeline_parallel_schedule}: its stages write weights and optimizer state inside the step, "
+                "while the background copy of a save may still read them; set checkpoint.async_mode = \"disabled\""
+            )
         if t.global_batch_size > 0 and t.global_batch_size % (t.local_batch_size * dp):
             raise UserError(
                 f"{self.source}: training.global_batch_size ({t.global_batch_size}) must be a multiple of "

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from torchtitan.config.configs import ParallelismConfig, TrainingConfig
 
-from titan_async.pipeline.schedules import SCHEDULE_NAMES, SchedulePipeDream2BW, streaming_schedule
+from titan_async.pipeline.schedules import SCHEDULE_NAMES, SchedulePACI, SchedulePipeDream2BW, streaming_schedule
 
 
 @dataclass(kw_only=True, slots=True)
@@ -91,5 +91,10 @@ def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism, da
         return (
             f"{key} needs at least as many microbatches as stages: training.local_batch_size / "
             f"parallelism.pipeline_parallel_microbatch_size = {microbatches} < {p} stages"
+        )
+    if schedule is SchedulePACI and microbatches < p - 1:
+        return (
+            f"{key} needs at least as many microbatches as the first stage holds in flight (stages - 1): "
+            f"training.local_batch_size / parallelism.pipeline_parallel_microbatch_size = {microbatches} < {p - 1}"
         )
     return None
