@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -207,39 +208,60 @@ def test_run_directory_lock(tmp_path, capsys):
     assert max(losses(run_dir)) == latest + 1
 
 
-def _launch_long_pp2_run(run_dir: Path, output: Path) -> subprocess.Popen:
-    """A 2-process run far longer than the test, started in the background, once it logged 2 steps."""
+def interrupted_pp2_run(run_dir: Path, signals: int) -> tuple[str, list[int]]:
+    """A 2-process run far longer than the test, sent `signals` SIGINTs (as Ctrl-C sends the
+    launcher) once it logged 2 steps: its output, after it exited with status 130, and the
+    processes it had started."""
+    output = run_dir.with_suffix(".out")
     launcher = start("train", "--run-dir", str(run_dir), "--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--nproc-per-node", "2",
                      *sets(*TINY, "training.steps=100000", "checkpoint.interval=100000"), output=output)
     deadline = time.monotonic() + 300
     while not ((run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text().count('"train"') >= 2):
         assert launcher.poll() is None and time.monotonic() < deadline, output.read_text()[-3000:]
         time.sleep(0.05)
-    return launcher
+    family = descendants(launcher.pid)
+    for _ in range(signals):
+        launcher.send_signal(signal.SIGINT)
+        time.sleep(0.1)
+    assert launcher.wait(timeout=300) == 130, output.read_text()[-5000:]
+    text = output.read_text()
+    assert "Traceback" not in text, text[-5000:]
+    return text, family
 
 
 def test_ctrl_c_twice_stops_a_multi_process_run_cleanly_and_a_third_aborts(tmp_path):
-    launcher = _launch_long_pp2_run(tmp_path / "stop", tmp_path / "stop.out")
-    for _ in range(2):
-        launcher.send_signal(signal.SIGINT)
-        time.sleep(0.1)
-    assert launcher.wait(timeout=300) == 130
-    output = (tmp_path / "stop.out").read_text()
-    assert "Traceback" not in output and "a stop is under way" in output, output[-5000:]
+    output, _ = interrupted_pp2_run(tmp_path / "stop", signals=2)
+    assert "a stop is under way" in output
     stopped = json.loads((tmp_path / "stop" / "stopped.json").read_text())["step"]
     assert f"stopped at step {stopped} by signal, with a checkpoint" in output
     assert damage(tmp_path / "stop" / "checkpoint" / f"step-{stopped}") is None
 
-    launcher = _launch_long_pp2_run(tmp_path / "abort", tmp_path / "abort.out")
-    family = descendants(launcher.pid)  # the agent and both workers
-    assert len(family) >= 3
-    for _ in range(3):
-        launcher.send_signal(signal.SIGINT)
-        time.sleep(0.1)
-    assert launcher.wait(timeout=120) == 130
-    output = (tmp_path / "abort.out").read_text()
-    assert "Traceback" not in output and "aborted: the steps since the last checkpoint are lost" in output, output[-5000:]
+    output, family = interrupted_pp2_run(tmp_path / "abort", signals=3)
+    assert "aborted: the steps since the last checkpoint are lost" in output
+    assert len(family) >= 3  # the agent and both workers
     deadline = time.monotonic() + 30
     while any(alive(pid) for pid in family) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in family if alive(pid)]
+
+
+def _choice_worker(rank: int, init_file: str) -> None:
+    import torch.distributed as dist
+
+    from titan_async.train.trainer import AsyncTrainer
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        seen = {0: 6, 1: 4}[rank]  # rank 1's node lists the step-6 checkpoint late
+        trainer = SimpleNamespace(checkpointer=SimpleNamespace(enable=True),
+                                  config=SimpleNamespace(checkpoint=SimpleNamespace(load_step=seen)))
+        AsyncTrainer.load_rank0s_choice(trainer)
+        assert trainer.config.checkpoint.load_step == 6, (rank, trainer.config.checkpoint.load_step)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_resumes_from_rank_0s_choice(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_choice_worker, args=(str(tmp_path / "init"),), nprocs=2)

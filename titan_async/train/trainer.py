@@ -435,7 +435,18 @@ class AsyncTrainer(Trainer):
             return False
         return True
 
+    def load_rank0s_choice(self) -> None:
+        """Make every rank load the checkpoint step rank 0 chose (`checkpoint.load_step`, set by
+        the worker from its scan of the run directory): on a shared file system, nodes may list
+        different checkpoints, and ranks loading different steps would hang the pipeline."""
+        if not (self.checkpointer.enable and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        choice = [self.config.checkpoint.load_step]
+        dist.broadcast_object_list(choice, src=0)
+        self.config.checkpoint.load_step = choice[0]
+
     def train(self) -> None:
+        self.load_rank0s_choice()
         write_param_group_table(self.optimizers, self.config.dump_folder)
         self.metrics_processor.start_display(self.config.training.steps)
         try:
