@@ -181,15 +181,16 @@ def live_bytes(records: list[dict]) -> int:
     return most
 
 
-def assert_nccl_safe(directory: Path, stages: int, bounded: bool = True) -> None:
-    """The run logged in `directory` (rank r = stage r) completes under the model without a
-    size mismatch; with `bounded`, rank r never has more than p - r single sends or receives
-    per peer direction outstanding (w + 1 for w = p-1-r microbatches in flight)."""
+def assert_nccl_safe(directory: Path, stages: int, bounded: bool = True, ranks_per_stage: int = 1) -> None:
+    """The run logged in `directory` (rank r holds stage r // ranks_per_stage: the pipeline is
+    the outermost mesh dimension) completes under the model without a size mismatch; with
+    `bounded`, a rank of stage s never has more than p - s single sends or receives per peer
+    direction outstanding (w + 1 for w = p-1-s microbatches in flight)."""
     logs = read_logs(directory)
-    assert sorted(logs) == list(range(stages)), sorted(logs)
+    assert sorted(logs) == list(range(stages * ranks_per_stage)), sorted(logs)
     result = replay(logs)
     assert not result.mismatches and not result.deadlocked, (result.completed, result.total, result.stuck, result.mismatches[:3])
     if bounded:
         for rank, records in logs.items():
             most = outstanding(records)
-            assert most and max(most.values()) <= stages - rank, (rank, most)
+            assert most and max(most.values()) <= stages - rank // ranks_per_stage, (rank, most)
