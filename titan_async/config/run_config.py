@@ -188,7 +188,8 @@ def _origin(key: str, source: str, assignments: dict[str, str]) -> str:
     return f"--set {assignments[key]!r}" if key in assignments else source
 
 
-def _section(name: str, default: Any, values: Any, source: str, assignments: dict[str, str]) -> Any:
+def _section(name: str, default: Any, values: Any, source: str, assignments: dict[str, str] | None = None) -> Any:
+    assignments = assignments or {}
     where = f"{source}: [{name}]"
     if not isinstance(values, dict):
         raise UserError(f"{source}: {name} must be a table [{name}], got a {type_name(values)}")
