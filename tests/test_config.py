@@ -73,7 +73,7 @@ def test_nested_subsections_are_set_checked_and_rendered():
     assert section.inner.coefficient == 0.5
     with pytest.raises(run_config.UserError, match=r"t.toml: \[outer.inner\]: unknown key 'coef' \(did you mean 'coefficient'\?\)"):
         run_config._section("outer", Outer(), {"inner": {"coef": 0.5}}, "t.toml")
-    with pytest.raises(run_config.UserError, match="outer.inner.coefficient: expected a number"):
+    with pytest.raises(run_config.UserError, match="outer.inner.coefficient: expected a finite number"):
         run_config._section("outer", Outer(), {"inner": {"coefficient": "big"}}, "t.toml")
 
 
