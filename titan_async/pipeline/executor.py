@@ -130,6 +130,6 @@ class StageExecutor:
             if self.is_last:
                 losses.append(self.loss_fn(output, microbatch.target, **loss_kwargs).detach())
             else:
-                self.transport.send(ACTIVATION, k, output)
+                self.transport.send(ACTIVATION, k, output, training=False)
         self.transport.finish_sends()
         return losses

@@ -22,9 +22,7 @@ from titan_async.pipeline.trace import Timeline
 from titan_async.pipeline.transport import P2PTransport, edge_groups
 from titan_async.pipeline.versions import make_policy
 
-_EVAL_IDS = -(1 << 23)
-"""Validation microbatch ids: below every training id, so that validation's sends never count as
-the training sends a receive waits for (`transport`)."""
+_EVAL_IDS = 1 << 23
 
 
 class StreamingSchedule(PipelineScheduleSingle):

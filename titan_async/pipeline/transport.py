@@ -105,7 +105,7 @@ class _Outbound:
         self.meta: tuple[torch.Size, torch.dtype] | None = None
         self.outstanding: deque[tuple[dist.Work, torch.Tensor]] = deque()
         self.last_sent = -1
-        """The latest training microbatch sent (training sends go in increasing order; validation's ids are negative)."""
+        """The latest training microbatch sent (training sends go in increasing order)."""
 
     def has_sent(self, microbatch: int | None) -> bool:
         return microbatch is None or self.last_sent >= microbatch
@@ -115,7 +115,8 @@ class _Outbound:
             self.outstanding.popleft()[0].wait()
         self.outstanding.append((dist.isend(tensor, self.peer, group=self.group), tensor))
 
-    def send(self, microbatch: int, tensor: torch.Tensor) -> None:
+    def send(self, microbatch: int | None, tensor: torch.Tensor) -> None:
+        """Send `tensor`; `microbatch` None for validation's sends, which no receive waits for."""
         tensor = tensor.detach().contiguous()
         if self.meta is None:
             self.meta = (tensor.shape, tensor.dtype)
@@ -130,7 +131,8 @@ class _Outbound:
                 f"{tuple(self.meta[0])} {self.meta[1]}; every microbatch (training and validation) must have the same shape"
             )
         self._isend(tensor)
-        self.last_sent = max(self.last_sent, microbatch)
+        if microbatch is not None:
+            self.last_sent = max(self.last_sent, microbatch)
 
     def finish(self) -> None:
         while self.outstanding:
@@ -166,10 +168,11 @@ class P2PTransport:
         """The `kind` tensor of `microbatch`; it must be the next one expected in that direction."""
         return self.inbound[kind].recv(microbatch)
 
-    def send(self, kind: int, microbatch: int, tensor: torch.Tensor) -> None:
+    def send(self, kind: int, microbatch: int, tensor: torch.Tensor, training: bool = True) -> None:
         """Send to the stage that receives `kind` from this one (next for activations, previous for
-        gradients), then post the receives from that stage that waited for this send."""
-        self.outbound[kind].send(microbatch, tensor)
+        gradients), then post the receives from that stage that waited for this send (validation's
+        sends, `training` False, are no training send a receive waits for)."""
+        self.outbound[kind].send(microbatch if training else None, tensor)
         replies = GRADIENT if kind == ACTIVATION else ACTIVATION
         if replies in self.inbound:
             self.inbound[replies].post()
@@ -195,7 +198,7 @@ class LocalTransport:
         self.mailbox = mailbox
         self.stage = stage
 
-    def send(self, kind: int, microbatch: int, tensor: torch.Tensor) -> None:
+    def send(self, kind: int, microbatch: int, tensor: torch.Tensor, training: bool = True) -> None:
         destination = self.stage + 1 if kind == ACTIVATION else self.stage - 1
         self.mailbox[(destination, kind, microbatch)] = tensor.detach().clone()
 
