@@ -25,8 +25,8 @@ tags are ignored):
 
 So every wait, and every posted receive, is on a message whose matching operation the peer
 issues without waiting for anything this rank issues later, and per rank at most `depth`
-receive buffers and `depth` sent tensors are live per direction. A stage with w microbatches in flight uses
-depth = w + 1 (`depth_for`).
+receive buffers and `depth` sent tensors are live per direction. A stage with w microbatches
+in flight uses depth = w + 1 (`depth_for`).
 """
 
 from __future__ import annotations
