@@ -15,6 +15,10 @@ batched ones on the group's communicator; every communicator has one stream per 
 - `work.wait()` orders the rank's compute stream after the work, and every operation
   issued later waits for the compute stream: it starts only when every operation waited
   on before it was issued has completed.
+- A device-wide synchronisation (`torch.cuda.synchronize`, `empty_cache`, the `cudaFree` of
+  an allocator retrying after an out-of-memory: any allocation may cause one) completes only
+  when every operation issued on the rank has completed, a posted receive included: for the
+  rank it is a wait on everything issued before it (`with_device_sync`).
 """
 
 from __future__ import annotations
@@ -83,6 +87,24 @@ def _units(rank: int, records: list[dict], groups: dict[str, list[int]]) -> tupl
             unit.parts.append(("coll", (record["group"], "coll"), None, record["bytes"]))
             units.append(unit)
     return units, waits
+
+
+def with_device_sync(records: list[dict], before_send: int) -> list[dict]:
+    """`records` with a device-wide synchronisation right before the `before_send`-th single send
+    (0-based): a wait on every operation issued before it."""
+    sends = [i for i, record in enumerate(records) if record["op"] == "send"]
+    at = sends[before_send]
+    issued = [record["id"] for record in records[:at] if record["op"] in ("send", "recv", "batch", "coll")]
+    return records[:at] + [{"op": "wait", "id": op_id} for op_id in issued] + records[at:]
+
+
+def assert_safe_under_device_syncs(logs: dict[int, list[dict]]) -> None:
+    """A device-wide synchronisation on any one rank before any of its sends (the others
+    running on) lets the run complete: no receive is posted ahead of a send it depends on."""
+    for rank, records in logs.items():
+        for n in range(sum(record["op"] == "send" for record in records)):
+            result = replay({**logs, rank: with_device_sync(records, n)})
+            assert not result.deadlocked, f"a device-wide sync on rank {rank} before its send #{n} hangs: {result.stuck}"
 
 
 def replay(logs: dict[int, list[dict]]) -> Replay:
@@ -181,15 +203,18 @@ def live_bytes(records: list[dict]) -> int:
     return most
 
 
-def assert_nccl_safe(directory: Path, stages: int, bounded: bool = True) -> None:
-    """The run logged in `directory` (rank r = stage r) completes under the model without a
-    size mismatch; with `bounded`, rank r never has more than p - r single sends or receives
-    per peer direction outstanding (w + 1 for w = p-1-r microbatches in flight)."""
+def assert_nccl_safe(directory: Path, stages: int, bounded: bool = True, ranks_per_stage: int = 1) -> None:
+    """The run logged in `directory` (rank r holds stage r // ranks_per_stage: the pipeline is
+    the outermost mesh dimension) completes under the model without a size mismatch, also with
+    a device-wide synchronisation before any one send; with `bounded`, a rank of stage s never
+    has more than p - s single sends or receives per peer direction outstanding (w + 1 for
+    w = p-1-s microbatches in flight)."""
     logs = read_logs(directory)
-    assert sorted(logs) == list(range(stages)), sorted(logs)
+    assert sorted(logs) == list(range(stages * ranks_per_stage)), sorted(logs)
     result = replay(logs)
     assert not result.mismatches and not result.deadlocked, (result.completed, result.total, result.stuck, result.mismatches[:3])
+    assert_safe_under_device_syncs(logs)
     if bounded:
         for rank, records in logs.items():
             most = outstanding(records)
-            assert most and max(most.values()) <= stages - rank, (rank, most)
+            assert most and max(most.values()) <= stages - rank // ranks_per_stage, (rank, most)

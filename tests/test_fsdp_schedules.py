@@ -7,6 +7,7 @@ import statistics
 
 import pytest
 
+import nccl_model
 from conftest import CONFIGS, TINY, cli_in_process, losses, metrics, run_cli, sets
 from test_schedules import STEPS, assert_close_weights, assert_same_run, final_weights
 
@@ -15,7 +16,8 @@ PP_FSDP = ("--config", str(CONFIGS / "debug_cpu_pp2_fsdp2.toml"), "--nproc-per-n
 
 
 def train(run_dir, *assignments, layout=PP_FSDP):
-    run_cli("train", *layout, "--run-dir", str(run_dir), *sets(*EXACT, *assignments))
+    """Train; every rank's communication is logged under run_dir/comm for the NCCL model."""
+    run_cli("train", *layout, "--run-dir", str(run_dir), *sets(*EXACT, *assignments), env={"TITAN_ASYNC_COMM_LOG": str(run_dir / "comm")})
     return run_dir
 
 
@@ -25,6 +27,7 @@ def test_2bw_with_fsdp_equals_delayed_reference_with_fsdp(tmp_path):
     pipelined = train(tmp_path / "2bw", "parallelism.pipeline_parallel_schedule=PipeDream2BW")
     assert_same_run(reference, pipelined)
     assert_close_weights(final_weights(pipelined), final_weights(reference))
+    nccl_model.assert_nccl_safe(pipelined / "comm", stages=2, ranks_per_stage=2)  # FSDP's collectives and the pipeline's sends
 
 
 def test_paci_with_fsdp_equals_its_emulation_with_fsdp(tmp_path):
@@ -34,6 +37,7 @@ def test_paci_with_fsdp_equals_its_emulation_with_fsdp(tmp_path):
     pipelined = train(tmp_path / "paci", *paci)
     assert_same_run(emulated, pipelined)
     assert_close_weights(final_weights(pipelined), final_weights(emulated))
+    nccl_model.assert_nccl_safe(pipelined / "comm", stages=2, ranks_per_stage=2)
 
 
 @pytest.mark.parametrize("schedule", ["PipeDream2BW", "PACI"])

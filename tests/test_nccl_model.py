@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 import nccl_model
 
 POSTED_AHEAD = Path(__file__).parent / "fixtures" / "comm_2bw_p2_m4_posted_ahead"
+RECEIVES_AHEAD_OF_SENDS = Path(__file__).parent / "fixtures" / "comm_2bw_p2_m4_receives_ahead_of_sends"
 
 
 def log(*records) -> list[dict]:
@@ -82,3 +85,23 @@ def test_the_former_posted_ahead_transport_deadlocks_under_nccl():
     assert result.deadlocked and result.completed < 10 and not result.mismatches
     assert result.stuck[0][0].startswith("send->1") and result.stuck[1][0].startswith("send->0")
     assert max(nccl_model.outstanding(logs[0]).values()) > 4  # and its sends were unbounded
+
+
+def test_a_device_sync_waits_for_a_receive_posted_ahead_of_the_send_it_depends_on():
+    # rank 0 posts the receive of rank 1's reply before sending what rank 1 replies to
+    logs = {0: log(op("recv", 1, 1, "ba"), op("send", 2, 1, "ab")),
+            1: log(op("recv", 1, 0, "ab"), wait(1), op("send", 2, 0, "ba"))}
+    assert not nccl_model.replay(logs).deadlocked
+    assert nccl_model.replay({**logs, 0: nccl_model.with_device_sync(logs[0], 0)}).deadlocked
+    logs[0] = log(op("send", 2, 1, "ab"), op("recv", 1, 1, "ba"))  # the receive posted after the send
+    nccl_model.assert_safe_under_device_syncs(logs)
+
+
+def test_the_former_receives_ahead_of_sends_transport_hangs_at_a_device_sync():
+    """A 3-step PipeDream2BW run at p=2, m=4 with the transport before receives waited for the
+    sends they depend on: it completes, but a device-wide sync on stage 0 before it sends
+    activation 2 waits for the receive of gradient 2, posted ahead, which needs that activation."""
+    logs = nccl_model.read_logs(RECEIVES_AHEAD_OF_SENDS)
+    assert not nccl_model.replay(logs).deadlocked
+    with pytest.raises(AssertionError, match="a device-wide sync on rank 0 before its send #3 hangs"):
+        nccl_model.assert_safe_under_device_syncs(logs)

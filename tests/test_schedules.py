@@ -184,10 +184,12 @@ def test_paci_accumulation_changes_the_update_timing(tmp_path):
     assert losses(every_batch)[2] != pytest.approx(losses(twice_a_batch)[2], rel=1e-6)
 
 
-@pytest.mark.parametrize("schedule", ["PipeDream2BW", "PACI"])
-def test_streaming_resume_is_exact(tmp_path, schedule):
+@pytest.mark.parametrize("schedule, accumulation", [("PipeDream2BW", None), ("PACI", None), ("PACI", 5)],
+                         ids=["2bw", "paci", "paci-partial-accumulation"])
+def test_streaming_resume_is_exact(tmp_path, schedule, accumulation):
+    """With a = 5 the checkpoint at step 3 falls inside an accumulation (3 x 8 backwards % 5 = 4)."""
     common = (f"parallelism.pipeline_parallel_schedule={schedule}", "parallelism.pipeline_parallel_microbatch_size=1",
-              f"lr_scheduler.total_steps={STEPS}")
+              f"lr_scheduler.total_steps={STEPS}", *([f"parallelism.paci.accumulation={accumulation}"] if accumulation else []))
     full = train(tmp_path / "full", *common, nproc="2", config="debug_cpu_pp2.toml")
     split = train(tmp_path / "split", *common, "training.steps=3", nproc="2", config="debug_cpu_pp2.toml")
     run_cli("resume", "--run-dir", str(split), *sets(f"training.steps={STEPS}"))

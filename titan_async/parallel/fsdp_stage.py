@@ -10,9 +10,13 @@ same through FSDP2's manual backward finalization
 `finalize_backward`): no unit reshards after a forward or a backward, backwards accumulate
 unsharded gradients, `reduce()` reduce-scatters them once per update, and a unit is
 gathered again only after `reshard()`, which the policies call when the weights the next
-action needs are not the ones gathered. Without `hold_gathered` (the single-process
-emulation, `gradient_delay`) FSDP reshards and reduces as configured, and the policies
-only check `gathered` before they rely on gathered weights.
+action needs are not the ones gathered. torch's docstring asks not to call `finalize_backward`
+between a forward and its backward, which a streaming stage does (other microbatches are in
+flight): tests/test_fsdp_stage.py pins the FSDP2 behaviour this relies on (units stay gathered,
+each reduce holds exactly the gradients since the last, later backwards still reduce) against
+plain modules, so a torch upgrade that changes it fails there. Without `hold_gathered` (the
+single-process emulation, `gradient_delay`) FSDP reshards and reduces as configured, and the
+policies only check `gathered` before they rely on gathered weights.
 
 Write fence (CUDA). FSDP2 copies shards into its all-gather buffer on its own streams,
 which wait for the compute stream only in the root pre-forward

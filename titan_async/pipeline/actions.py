@@ -43,6 +43,21 @@ def drain_actions(stage: int, num_stages: int, microbatches: int, window: int) -
     return [_Action(stage, B, k) for k in range(end - w, end)]
 
 
+def consumed_before(sender: list[_Action], produced: _ComputationType) -> dict[int, int | None]:
+    """For each message `sender`'s `produced` actions make for a neighbour (F: an activation for
+    the next stage, B: a gradient for the previous one), the latest microbatch of that
+    neighbour's messages the sender consumed before it in this list (F consumes activations
+    from the previous stage, B gradients from the next), or None: the receive of that message
+    depends on the neighbour's sends only up to there."""
+    latest, needs = None, {}
+    for action in sender:
+        if action.computation_type == produced:
+            needs[action.microbatch_index] = latest
+        else:
+            latest = action.microbatch_index
+    return needs
+
+
 def pipeline_order(num_stages: int, microbatches: int, windows: int, drain_every: int = 0) -> dict[int, list[_Action]]:
     """Rank -> actions for `windows` windows, draining after the last one (and every `drain_every`)."""
     order: dict[int, list[_Action]] = {}

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
+from titan_async.pipeline.actions import consumed_before
 from titan_async.pipeline.trace import Timeline
 from titan_async.pipeline.transport import ACTIVATION, GRADIENT
 
@@ -66,11 +67,14 @@ class StageExecutor:
             return self.is_first or self.transport.has(ACTIVATION, action.microbatch_index)
         return self.is_last or self.transport.has(GRADIENT, action.microbatch_index)
 
-    def expect(self, actions: list[_Action]) -> None:
-        """Tell the transport which inputs `actions` will consume, in order."""
-        forward = _ComputationType.FORWARD
-        self.transport.expect(ACTIVATION, [a.microbatch_index for a in actions if a.computation_type == forward])
-        self.transport.expect(GRADIENT, [a.microbatch_index for a in actions if a.computation_type != forward])
+    def expect(self, actions: list[_Action], previous: list[_Action] | None, following: list[_Action] | None) -> None:
+        """Tell the transport which inputs `actions` will consume, in order, and after which of
+        this stage's sends each may be received: the actions of the previous and the following
+        stage in the same window say what each consumes before it sends (`consumed_before`)."""
+        for kind, sender, action_type in ((ACTIVATION, previous, _ComputationType.FORWARD), (GRADIENT, following, _ComputationType.FULL_BACKWARD)):
+            if sender is not None:
+                needs = consumed_before(sender, action_type)
+                self.transport.expect(kind, [(a.microbatch_index, needs[a.microbatch_index]) for a in actions if a.computation_type == action_type])
 
     def run_action(
         self, action: _Action, microbatches: dict[int, Microbatch], loss_kwargs: dict[str, Any], optimizer_step: Callable[[], None]
@@ -118,7 +122,7 @@ class StageExecutor:
         """Forward-only pass of `microbatches` (ids from `first_id`); losses on the last stage."""
         losses = []
         if not self.is_first:
-            self.transport.expect(ACTIVATION, list(range(first_id, first_id + len(microbatches))))
+            self.transport.expect(ACTIVATION, [(k, None) for k in range(first_id, first_id + len(microbatches))])
         for offset, microbatch in enumerate(microbatches):
             k = first_id + offset
             stage_input = microbatch.args[0] if self.is_first else self.transport.recv(ACTIVATION, k)
@@ -126,6 +130,6 @@ class StageExecutor:
             if self.is_last:
                 losses.append(self.loss_fn(output, microbatch.target, **loss_kwargs).detach())
             else:
-                self.transport.send(ACTIVATION, k, output)
+                self.transport.send(ACTIVATION, k, output, training=False)
         self.transport.finish_sends()
         return losses

@@ -28,13 +28,24 @@ class StreamEngine:
         self.optimizer_steps = optimizer_steps
         self.window = -1
         self.drained = True
+        self.previous_actions: Callable[[int], list] = lambda stage: []
         self.loss_kwargs: dict[str, Any] = {}
 
-    def _run(self, actions_by_stage: dict[int, list], microbatches: dict[int, Microbatch]) -> list[torch.Tensor]:
+    def _run(self, actions_of: Callable[[int], list], microbatches: dict[int, Microbatch]) -> list[torch.Tensor]:
+        """Run every local stage's `actions_of(stage)`. A neighbour's actions of the previous run
+        and this one (computed, not run here: a message consumed now was produced in one of
+        them) tell each stage's transport when its receives may be posted."""
+        previous = self.previous_actions
+
+        def neighbour(stage: int) -> list | None:
+            return previous(stage) + actions_of(stage) if 0 <= stage < self.num_stages else None
+
         queues = {}
         for executor in self.executors:
-            queues[executor.stage] = deque(actions_by_stage[executor.stage])
-            executor.expect(actions_by_stage[executor.stage])
+            stage = executor.stage
+            queues[stage] = deque(actions_of(stage))
+            executor.expect(list(queues[stage]), neighbour(stage - 1), neighbour(stage + 1))
+        self.previous_actions = actions_of
         losses = []
         while any(queues.values()):
             progressed = False
@@ -57,11 +68,9 @@ class StreamEngine:
         self.window = window
         first = window * self.microbatches
         self.loss_kwargs = loss_kwargs
-        actions = {
-            e.stage: plan.window_actions(e.stage, self.num_stages, self.microbatches, self.window, self.drained)
-            for e in self.executors
-        }
-        losses = self._run(actions, dict(enumerate(microbatches, start=first)))
+        drained = self.drained
+        losses = self._run(lambda stage: plan.window_actions(stage, self.num_stages, self.microbatches, window, drained),
+                           dict(enumerate(microbatches, start=first)))
         self.drained = False
         return losses
 
@@ -69,8 +78,8 @@ class StreamEngine:
         """Run the backwards still in flight, so no microbatch crosses this point."""
         if self.drained:
             return
-        actions = {e.stage: plan.drain_actions(e.stage, self.num_stages, self.microbatches, self.window) for e in self.executors}
-        self._run(actions, {})
+        window = self.window
+        self._run(lambda stage: plan.drain_actions(stage, self.num_stages, self.microbatches, window), {})
         for executor in self.executors:
             executor.transport.finish_sends()
         self.drained = True

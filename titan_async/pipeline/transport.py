@@ -14,13 +14,19 @@ tags are ignored):
   (`expect`), in that order, at most `depth` ahead; each is waited right before its tensor
   is used. No receive is left posted across a drain, so validation traffic cannot match
   a receive meant for training.
+- A receive is posted only once this rank has issued every send the peer consumes before it
+  sends that message (`expect`'s second number; as torch's `_batch_p2p` pairs a receive with
+  the send before it). On NCCL a posted receive is a kernel that spins until its message
+  arrives, and a device-wide synchronisation (an allocator retry after an out-of-memory,
+  `empty_cache`, `synchronize`) waits for it: were it posted ahead of a send it depends on,
+  a synchronisation before that send would never end.
 - At most `depth` sends per direction are outstanding: a new send first waits for the
   oldest, and a drain waits for all. Each sent tensor is held until its send is waited.
 
-So every wait is on a message whose matching operation the peer issues without waiting
-for anything this rank issues later, and per rank at most `depth` receive buffers and
-`depth` sent tensors are live per direction. A stage with w microbatches in flight uses
-depth = w + 1 (`depth_for`).
+So every wait, and every posted receive, is on a message whose matching operation the peer
+issues without waiting for anything this rank issues later, and per rank at most `depth`
+receive buffers and `depth` sent tensors are live per direction. A stage with w microbatches
+in flight uses depth = w + 1 (`depth_for`).
 """
 
 from __future__ import annotations
@@ -49,12 +55,13 @@ def edge_groups(group: dist.ProcessGroup, stage_to_rank: dict[int, int], device:
 
 
 class _Inbound:
-    """Receives of one kind from one peer on that direction's communicator, in order."""
+    """Receives of one kind from one peer on that direction's communicator, in order, each
+    posted once `replies` (the sends to the same peer) has sent what it depends on."""
 
-    def __init__(self, peer: int, group: dist.ProcessGroup, device: torch.device, depth: int) -> None:
-        self.peer, self.group, self.device, self.depth = peer, group, device, depth
+    def __init__(self, peer: int, group: dist.ProcessGroup, device: torch.device, depth: int, replies: _Outbound) -> None:
+        self.peer, self.group, self.device, self.depth, self.replies = peer, group, device, depth, replies
         self.meta: tuple[torch.Size, torch.dtype] | None = None
-        self.expected: deque[int] = deque()
+        self.expected: deque[tuple[int, int | None]] = deque()
         self.posted: deque[tuple[int, dist.Work, torch.Tensor]] = deque()
 
     def _read_header(self) -> None:
@@ -63,22 +70,26 @@ class _Inbound:
         values = header.tolist()  # one host sync, at the first message of this direction
         self.meta = (torch.Size(values[1 : 1 + values[0]]), _DTYPES[values[-1]])
 
-    def _post(self) -> None:
+    def post(self) -> None:
+        """Post the expected receives whose dependencies were sent, at most `depth` ahead."""
+        if self.meta is None:
+            return  # the header is received when the first message is needed
         shape, dtype = self.meta
-        while self.expected and len(self.posted) < self.depth:
+        while self.expected and len(self.posted) < self.depth and self.replies.has_sent(self.expected[0][1]):
             buffer = torch.empty(shape, dtype=dtype, device=self.device)
-            self.posted.append((self.expected.popleft(), dist.irecv(buffer, self.peer, group=self.group), buffer))
+            self.posted.append((self.expected.popleft()[0], dist.irecv(buffer, self.peer, group=self.group), buffer))
 
     def recv(self, microbatch: int) -> torch.Tensor:
         if self.meta is None:
             self._read_header()
-        self._post()
+        self.post()
         if not self.posted or self.posted[0][0] != microbatch:
-            head = self.posted[0][0] if self.posted else None
-            raise RuntimeError(f"pipeline transport: microbatch {microbatch} requested out of order (next expected: {head})")
+            head = self.posted[0][0] if self.posted else self.expected[0] if self.expected else None
+            raise RuntimeError(f"pipeline transport: microbatch {microbatch} requested out of order or before the "
+                               f"sends it depends on (next expected, after the send of microbatch: {head})")
         _, work, buffer = self.posted.popleft()
         work.wait()
-        self._post()
+        self.post()
         return buffer
 
     def check_idle(self) -> None:
@@ -93,13 +104,19 @@ class _Outbound:
         self.peer, self.group, self.device, self.depth = peer, group, device, depth
         self.meta: tuple[torch.Size, torch.dtype] | None = None
         self.outstanding: deque[tuple[dist.Work, torch.Tensor]] = deque()
+        self.last_sent = -1
+        """The latest training microbatch sent (training sends go in increasing order)."""
+
+    def has_sent(self, microbatch: int | None) -> bool:
+        return microbatch is None or self.last_sent >= microbatch
 
     def _isend(self, tensor: torch.Tensor) -> None:
         while len(self.outstanding) >= self.depth:
             self.outstanding.popleft()[0].wait()
         self.outstanding.append((dist.isend(tensor, self.peer, group=self.group), tensor))
 
-    def send(self, tensor: torch.Tensor) -> None:
+    def send(self, microbatch: int | None, tensor: torch.Tensor) -> None:
+        """Send `tensor`; `microbatch` None for validation's sends, which no receive waits for."""
         tensor = tensor.detach().contiguous()
         if self.meta is None:
             self.meta = (tensor.shape, tensor.dtype)
@@ -114,6 +131,8 @@ class _Outbound:
                 f"{tuple(self.meta[0])} {self.meta[1]}; every microbatch (training and validation) must have the same shape"
             )
         self._isend(tensor)
+        if microbatch is not None:
+            self.last_sent = max(self.last_sent, microbatch)
 
     def finish(self) -> None:
         while self.outstanding:
@@ -129,16 +148,18 @@ class P2PTransport:
         self.inbound: dict[int, _Inbound] = {}
         self.outbound: dict[int, _Outbound] = {}
         if stage > 0:
-            self.inbound[ACTIVATION] = _Inbound(*_link(groups, stage - 1, stage), device, depth)
             self.outbound[GRADIENT] = _Outbound(*_link(groups, stage, stage - 1), device, depth)
+            self.inbound[ACTIVATION] = _Inbound(*_link(groups, stage - 1, stage), device, depth, self.outbound[GRADIENT])
         if stage < num_stages - 1:
             self.outbound[ACTIVATION] = _Outbound(*_link(groups, stage, stage + 1), device, depth)
-            self.inbound[GRADIENT] = _Inbound(*_link(groups, stage + 1, stage), device, depth)
+            self.inbound[GRADIENT] = _Inbound(*_link(groups, stage + 1, stage), device, depth, self.outbound[ACTIVATION])
 
-    def expect(self, kind: int, microbatches: list[int]) -> None:
-        """The next `kind` messages this stage will consume, in order (posted lazily, `depth` ahead)."""
+    def expect(self, kind: int, messages: list[tuple[int, int | None]]) -> None:
+        """The next `kind` messages this stage will consume, in order, as (microbatch, the latest
+        microbatch this stage must have sent to that peer before the receive is posted, or None)."""
         if kind in self.inbound:
-            self.inbound[kind].expected.extend(microbatches)
+            self.inbound[kind].expected.extend(messages)
+            self.inbound[kind].post()
 
     def has(self, kind: int, microbatch: int) -> bool:
         return True
@@ -147,9 +168,14 @@ class P2PTransport:
         """The `kind` tensor of `microbatch`; it must be the next one expected in that direction."""
         return self.inbound[kind].recv(microbatch)
 
-    def send(self, kind: int, microbatch: int, tensor: torch.Tensor) -> None:
-        """Send to the stage that receives `kind` from this one (next for activations, previous for gradients)."""
-        self.outbound[kind].send(tensor)
+    def send(self, kind: int, microbatch: int, tensor: torch.Tensor, training: bool = True) -> None:
+        """Send to the stage that receives `kind` from this one (next for activations, previous for
+        gradients), then post the receives from that stage that waited for this send (validation's
+        sends, `training` False, are no training send a receive waits for)."""
+        self.outbound[kind].send(microbatch if training else None, tensor)
+        replies = GRADIENT if kind == ACTIVATION else ACTIVATION
+        if replies in self.inbound:
+            self.inbound[replies].post()
 
     def finish_sends(self) -> None:
         """At a drain: wait for every send and check that no receive is left expected."""
@@ -172,7 +198,7 @@ class LocalTransport:
         self.mailbox = mailbox
         self.stage = stage
 
-    def send(self, kind: int, microbatch: int, tensor: torch.Tensor) -> None:
+    def send(self, kind: int, microbatch: int, tensor: torch.Tensor, training: bool = True) -> None:
         destination = self.stage + 1 if kind == ACTIVATION else self.stage - 1
         self.mailbox[(destination, kind, microbatch)] = tensor.detach().clone()
 
