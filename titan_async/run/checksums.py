@@ -1,7 +1,7 @@
 """A CRC-32 of every file of a checkpoint, recorded once its save has finished and verified
 before it is read: a file damaged in place, at its full length, is then found.
 
-`ChecksumRecorder` computes them on rank 0 in a background thread, off the training path, and
+`ChecksumRecorder` computes them on rank 0 on a background thread, off the training path, and
 writes checksums.json into the checkpoint atomically; a checkpoint without one (a save that ended
 before its checksums, or one from an older titan-async) is verified by its sizes alone.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import threading
 import zlib
 from pathlib import Path
@@ -58,17 +59,26 @@ def mismatch(checkpoint: Path) -> str | None:
 
 
 class ChecksumRecorder:
-    """Records the checksums of each finished save in a thread of its own; `join` waits for all."""
+    """Records the checksums of each finished save, in save order, on one background thread (a
+    checkpoint saved twice, as a stop at a checkpoint step does, ends with the second save's
+    checksums); `join` waits for all."""
 
     def __init__(self) -> None:
-        self._threads: list[threading.Thread] = []
+        self._queue: queue.Queue[Path | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def _work(self) -> None:
+        while (checkpoint := self._queue.get()) is not None:
+            record(checkpoint)
 
     def start(self, checkpoint: Path) -> None:
-        thread = threading.Thread(target=record, args=(checkpoint,), name=f"checksums {checkpoint.name}", daemon=True)
-        thread.start()
-        self._threads.append(thread)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="checkpoint checksums", daemon=True)
+            self._thread.start()
+        self._queue.put(checkpoint)
 
     def join(self) -> None:
-        for thread in self._threads:
-            thread.join()
-        self._threads.clear()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
