@@ -50,12 +50,14 @@ def _setup_logging(run_dir: Path, verbose: bool) -> None:
 def _resume_point(run_dir: Path, run):
     """`run` set to load the run's latest intact checkpoint (torchtitan would take the latest
     with a .metadata file), unless `checkpoint.load_step` names one. After an elastic restart
-    rank 0 logs the damaged checkpoints it skips, the step it resumes from and the steps lost."""
-    if not run.checkpoint.enable or run.checkpoint.load_step != -1:
+    rank 0 logs the damaged checkpoints it skips, the step it resumes from and the steps lost.
+    Only rank 0 reads the checkpoints to choose (verifying one reads all of its files); the
+    trainer hands its choice to every rank (`AsyncTrainer.load_rank0s_choice`)."""
+    if not run.checkpoint.enable or run.checkpoint.load_step != -1 or os.environ.get("RANK", "0") != "0":
         return run
     restart = restart_count()
     log = logging.getLogger("titan_async")
-    announce = restart > 0 and os.environ.get("RANK", "0") == "0"
+    announce = restart > 0
     point = checkpoints.resume_point(run_dir, log.warning if announce else lambda message: None)
     step = point[0] if point else 0
     if announce:
