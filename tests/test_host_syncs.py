@@ -11,8 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import TINY, cli_in_process, sets
+
+from titan_async.optim import ErrorFeedback, Muon
+from titan_async.pipeline.stream import StreamEngine
 from titan_async.pipeline.trace import Timeline
+from titan_async.train.health import HealthGuard, HealthSection, skips_on_device
 
 
 class FakeDevice:
@@ -115,3 +121,112 @@ def test_a_trace_waits_once_per_window_and_keeps_device_times(device):
     assert device.host_syncs == 3
     durations = [end - start for _, start, end in timeline.events]
     assert durations == pytest.approx([0.002, 0.003] * 3, abs=1e-6)
+
+
+# --- a non-finite update skipped on the device ------------------------------------------------
+
+def _optimizer(kind: str, weight: torch.nn.Parameter):
+    if kind == "adamw":
+        return torch.optim.AdamW([weight], lr=0.1, weight_decay=0.1, fused=True)
+    muon = Muon([{"params": [weight]}], lr=0.1, weight_decay=0.1)
+    return ErrorFeedback(muon) if kind == "muon+ef" else muon
+
+
+def _train(kind: str, gradients: list[torch.Tensor], guard: HealthGuard | None):
+    """Weights and optimizer state after stepping on `gradients`; with `guard`, each step goes
+    through the device-side health check, as a streaming stage steps."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(8, 6))
+    optimizer = _optimizer(kind, weight)
+    if kind == "adamw+ef":
+        optimizer = ErrorFeedback(optimizer)
+    for step, gradient in enumerate(gradients):
+        weight.grad = gradient.clone()
+        if guard is not None:
+            optimizer.found_inf = guard.found_nonfinite(step, 0, [weight], group=None)
+        optimizer.step()
+        optimizer.__dict__.pop("found_inf", None)
+    state = {k: v.clone() for k, v in optimizer.state[weight].items() if isinstance(v, torch.Tensor)}
+    return weight.detach().clone(), state
+
+
+@pytest.fixture
+def one_process_group():
+    """The health check logs the rank that saw a non-finite gradient."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("one_process_group")
+@pytest.mark.parametrize("kind", ["adamw", "muon", "muon+ef", "adamw+ef"])
+@pytest.mark.parametrize("bad_step", [0, 2])
+def test_a_non_finite_gradient_is_skipped_on_the_device_as_if_never_seen(kind, bad_step):
+    torch.manual_seed(1)
+    gradients = [torch.randn(8, 6) for _ in range(4)]
+    poisoned = gradients[:bad_step] + [torch.full((8, 6), float("nan"))] + gradients[bad_step:]
+    guard = HealthGuard(HealthSection())
+    weight, state = _train(kind, poisoned, guard)
+    expected_weight, expected_state = _train(kind, gradients, None)
+    assert torch.equal(weight, expected_weight)
+    assert state.keys() == expected_state.keys()
+    assert all(torch.equal(state[k], expected_state[k]) for k in state)
+    assert guard.skipped == 0  # counted only when read, at the end of the next step
+    guard.settle()
+    assert guard.skipped == 1
+
+
+def test_only_optimizers_that_take_found_inf_skip_on_the_device():
+    weight = torch.nn.Parameter(torch.zeros(2, 2))
+    assert skips_on_device(torch.optim.AdamW([weight], fused=True))
+    assert not skips_on_device(torch.optim.AdamW([weight], foreach=True))
+    assert skips_on_device(ErrorFeedback(Muon([weight], lr=0.1)))
+
+
+# --- a real streaming run: no value read from the device inside a window ----------------------
+
+READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default}
+
+
+class CountReads(TorchDispatchMode):
+    """Counts the ops that hand a tensor's value to the host (`item`, `bool`, `equal`): on a GPU
+    each one waits for every kernel queued before it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += func in READS
+        return func(*args, **(kwargs or {}))
+
+
+def test_streaming_windows_with_per_microbatch_updates_never_read_the_device(tmp_path, monkeypatch, capsys):
+    """PACI updating after every backward, with Muon and error feedback, in the emulation: the
+    health check and every optimizer step run inside the window without reading the device."""
+    windows = []
+    run_window = StreamEngine.run_window
+
+    def counted(self, *args, **kwargs):
+        with CountReads() as mode:
+            losses = run_window(self, *args, **kwargs)
+        windows.append(mode.reads)
+        return losses
+
+    monkeypatch.setattr(StreamEngine, "run_window", counted)
+    status, _, err = cli_in_process(
+        capsys, "train", "--run-dir", str(tmp_path / "run"),
+        *sets(*TINY, "training.steps=4", "checkpoint.enable=false", "optimizer.name=muon",
+              "optimizer.error_feedback.enabled=true", "parallelism.pipeline_parallel_schedule=PACI",
+              "parallelism.paci.accumulation=1", "parallelism.emulated_stages=2",
+              "parallelism.pipeline_parallel_microbatch_size=1"),
+    )
+    assert status == 0, err[-3000:]
+    assert windows == [0, 0, 0, 0]

@@ -36,7 +36,7 @@ def skips_on_device(optimizer: Optimizer) -> bool:
     0-dim tensor holding 1 (torch's fused Adam/AdamW, `Muon`, `ErrorFeedback` over either)."""
     if isinstance(optimizer, ErrorFeedback):
         return skips_on_device(optimizer.base)
-    return isinstance(optimizer, Muon) or bool(optimizer.defaults.get("fused"))
+    return isinstance(optimizer, Muon) or all(group.get("fused") for group in optimizer.param_groups)
 
 
 def _local_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
