@@ -114,13 +114,17 @@ def test_a_drain_restarts_the_window_clock(device):
     assert timeline.last_bubble == pytest.approx(0.0)
 
 
-def test_a_trace_waits_once_per_window_and_keeps_device_times(device):
+def test_a_trace_waits_once_per_window_and_keeps_device_times_drains_included(device):
     timeline = Timeline(0, keep_events=True, device=torch.device("cuda"))
     for _ in range(3):
         window(timeline, device, [2, 3])
     assert device.host_syncs == 3
+    with timeline.action("0B9"):  # a drain runs actions outside any window
+        device.run(4)
+    timeline.restart()
     durations = [end - start for _, start, end in timeline.events]
-    assert durations == pytest.approx([0.002, 0.003] * 3, abs=1e-6)
+    assert durations == pytest.approx([0.002, 0.003] * 3 + [0.004], abs=1e-6)
+    assert timeline.events[-1][0] == "0B9"
 
 
 # --- a non-finite update skipped on the device ------------------------------------------------

@@ -56,8 +56,12 @@ class Timeline:
         self.pending = []
 
     def restart(self) -> None:
-        """The stream was drained: the next window starts when it is fed, not where the last ended."""
-        self.origin = None
+        """The stream was drained: the drain's actions join the trace (a drain is no window and
+        has no bubble), and the next window starts when it is fed, not where the last ended."""
+        if self.keep_events and self.pending and self.origin is not None:
+            self._finished(self.pending[-1][2])
+            self._trace(self.origin, self.pending)
+        self.origin, self.pending = None, []
 
     @contextmanager
     def action(self, name: str):
@@ -85,15 +89,17 @@ class Timeline:
 
     def _read(self, origin: Mark, end: Mark, actions: list[tuple[str, Mark, Mark]]) -> float:
         """The idle share of one finished window; its actions join the trace when kept."""
-        busy = 0.0
-        for name, start, stop in actions:
-            seconds = self._seconds(start, stop)
-            busy += seconds
-            if self.keep_events:
-                offset = origin[0] + self._seconds(origin, start)
-                self.events.append((name, offset, offset + seconds))
+        if self.keep_events:
+            self._trace(origin, actions)
+        busy = sum(self._seconds(start, stop) for _, start, stop in actions)
         elapsed = self._seconds(origin, end)
         return max(0.0, 1.0 - busy / elapsed) if elapsed > 0 else 0.0
+
+    def _trace(self, origin: Mark, actions: list[tuple[str, Mark, Mark]]) -> None:
+        """Keep `actions` (finished) as trace events, in host seconds from `origin`'s host time."""
+        for name, start, stop in actions:
+            offset = origin[0] + self._seconds(origin, start)
+            self.events.append((name, offset, offset + self._seconds(start, stop)))
 
     def write(self, path: Path) -> None:
         """Chrome/Perfetto trace events of this rank (one thread per rank)."""
