@@ -65,10 +65,11 @@ def live_tensor_tracker():
             self.refs.pop(key, None)
 
         def _track(self, tensor: torch.Tensor) -> None:
-            if hasattr(tensor, "__tensor_flatten__"):  # DTensor and other wrappers: their inner tensors
+            if type(tensor) is not torch.Tensor and hasattr(tensor, "__tensor_flatten__"):  # DTensor: its local tensor
                 names, _ = tensor.__tensor_flatten__()
                 for name in names:
-                    self._track(getattr(tensor, name))
+                    if isinstance(inner := getattr(tensor, name), torch.Tensor):
+                        self._track(inner)
             elif tensor.device.type == "cpu":
                 self._count(tensor.untyped_storage())
 

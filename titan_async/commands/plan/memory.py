@@ -1,13 +1,16 @@
 """Memory and bubble arithmetic behind `titan-async plan`: plain numbers in, bytes out.
 
-Per GPU, every pipeline rank's memory is the sum of these components (bytes):
+Per GPU, every pipeline rank's memory is made of these components (bytes); how they add up
+to its peak ("total") is said under optimizer_step:
 
 - weights: the rank's stage parameters / weight shards (FSDP x CP, and TP approximately),
   in the parameter dtype (training.dtype).
 - weight_versions: PipeDream2BW (and gradient_delay = 1) keeps a second weight version:
   one more copy of the local weights (for plain parameters the other buffer, under FSDP2 a
   side shard beside FSDP's own).
-- gradients: the sharded gradient, parameter dtype.
+- gradients: the sharded gradient, parameter dtype. Under FSDP it exists only from the
+  reduce-scatter to the optimizer's zero_grad: in forward and backward the unsharded
+  gradients (fsdp_buffers) stand in for it.
 - optimizer: AdamW keeps 2 moments per parameter; Muon 1 momentum buffer per hidden
   matrix and AdamW's 2 moments for everything else; parameter dtype.
 - error_feedback: one update-sized buffer per parameter when enabled.
@@ -17,8 +20,9 @@ Per GPU, every pipeline rank's memory is the sum of these components (bytes):
   resharding until the last backward of a step; the streaming stages hold their units
   gathered, titan_async.parallel.fsdp_stage): stage parameters x (compute + reduce bytes),
   and PipeDream2BW keeps its other version gathered too (+ stage parameters x compute
-  bytes). Without PP: the largest unit gathered twice (current and prefetched) plus its
-  unsharded gradient.
+  bytes) on every stage but the last, which runs each backward right after its forward and
+  so never needs the older version gathered beside the newer. Without PP: the largest unit
+  gathered twice (current and prefetched) plus its unsharded gradient.
   FSDP's flat communication buffers come on top (`fsdp_flat_buffer_bytes`).
 - p2p_buffers: the streaming schedules' transport (titan_async.pipeline.transport): per
   direction of each edge at most w + 1 = p - rank receives posted ahead and as many sends
@@ -35,8 +39,10 @@ Per GPU, every pipeline rank's memory is the sum of these components (bytes):
 - optimizer_step: scratch of one optimizer step (`optimizer_step_bytes`): Muon's momenta,
   gathered full matrices, Newton-Schulz work buffers and updates, and the weight copy error
   feedback makes around AdamW. It is alive only during the step, while the microbatches in
-  flight across it keep their activations (`held_at_step`), so the peak counts
-  max(activations, activations held at the step + optimizer_step), not both in full.
+  flight across it keep their activations (`held_at_step`) and FSDP keeps only a pipeline
+  stage's gathered weights (`fsdp_step_bytes`), so the peak ("total") is state + transport
+  buffers + max(activations + fsdp_buffers, those at the step + optimizer_step), with FSDP's
+  sharded gradients in the second term only.
 
 The first five are what a meta-device dry run allocates (`STATE_COMPONENTS`); the
 others exist only while training runs, so they are estimates only. tools/bench_plan_memory.py
@@ -46,7 +52,7 @@ compares the total with the tensor bytes a CPU run keeps alive at its peak.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -55,8 +61,8 @@ from titan_async.optim.full_matrix import assign_owners
 from titan_async.optim.newton_schulz import flops, gram_form
 
 STATE_COMPONENTS = ("weights", "weight_versions", "gradients", "optimizer", "error_feedback")
-BUFFER_COMPONENTS = ("fsdp_buffers", "p2p_buffers", "stage_inputs", "nccl_buffers")
-COMPONENTS = (*STATE_COMPONENTS, *BUFFER_COMPONENTS, "activations", "optimizer_step")
+TRANSPORT_COMPONENTS = ("p2p_buffers", "stage_inputs", "nccl_buffers")
+COMPONENTS = (*STATE_COMPONENTS, "fsdp_buffers", *TRANSPORT_COMPONENTS, "activations", "optimizer_step")
 """Every component of a rank's memory; "total" is not their sum (see the module docstring)."""
 NCCL_BUFFSIZE = 4 * 2**20
 """NCCL_BUFFSIZE's default: the buffer NCCL allocates per channel for each peer it connects to."""
@@ -179,13 +185,22 @@ def fsdp_buffer_bytes(stages: list[StageShape], setup: Setup) -> float:
 
 def fsdp_flat_buffer_bytes(stages: list[StageShape], setup: Setup) -> float:
     """FSDP2's flat communication buffers (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py),
-    one unit at a time: the all-gather output that units' parameters are copied out of (compute
-    dtype), or the reduce-scatter input its gradients are copied into (reduce dtype), which FSDP
-    keeps until the next unit's reduce-scatter has started (two units' worth). Sized by the
-    largest unit; 0 without FSDP."""
+    one unit at a time: the all-gather output its parameters are copied out of (compute dtype),
+    or the reduce-scatter input its gradients are copied into (reduce dtype; FSDP drops the
+    previous unit's before it makes the next). Sized by the largest unit; 0 without FSDP."""
     if not setup.fsdp:
         return 0.0
-    return max(s.largest_unit for s in stages) * max(setup.compute_bytes, 2 * setup.reduce_bytes)
+    return max(s.largest_unit for s in stages) * max(setup.compute_bytes, setup.reduce_bytes)
+
+
+def fsdp_step_bytes(stages: list[StageShape], setup: Setup) -> float:
+    """What FSDP2 keeps through an optimizer step: the gathered parameters (and 2BW's gathered
+    second version) of a pipeline stage, which stays gathered; gradients were reduce-scattered
+    and their unsharded copies freed before the step. Without a pipeline every unit is
+    resharded by then: 0."""
+    if not (setup.fsdp and setup.unsharded_for_step):
+        return 0.0
+    return sum(s.params for s in stages) * (1 + setup.gathered_versions) * setup.compute_bytes
 
 
 def block_activation_bytes(setup: Setup, mode: str | None = None) -> int:
@@ -336,8 +351,9 @@ def optimizer_step_bytes(stages: list[StageShape], setup: Setup) -> float:
     update (titan_async.optim.error_feedback). Fused AdamW itself needs no scratch."""
     peak = 0.0
     for stage in stages:
-        adamw = stage.params - (stage.matrix_params if setup.optimizer == "muon" else 0)
-        peak = max(peak, adamw / setup.weight_shards * setup.param_bytes if setup.error_feedback else 0.0)
+        if setup.error_feedback:
+            adamw = stage.params - (stage.matrix_params if setup.optimizer == "muon" else 0)
+            peak = max(peak, adamw / setup.weight_shards * setup.param_bytes)
         if setup.optimizer == "muon" and stage.muon_matrices:
             local = stage.matrix_params / setup.weight_shards
             peak = max(peak, *(muon_step_bytes(owned, local, setup) for owned in _owned_matrices(stage, setup)))
@@ -356,7 +372,12 @@ def rank_memory(stages: list[StageShape], held: list[float], setup: Setup, sched
     """Per-GPU bytes of every component (`COMPONENTS`) and their peak "total", for pipeline rank
     `rank` of `ranks` running `schedule`, holding `stages` with `held[i]` microbatches in flight
     on stage i (the single-process emulation, `emulated`, sends nothing between ranks). The
-    peak is state + buffers + max(activations, activations held across the step + its scratch)."""
+    peak is the state and the transport's buffers plus the larger of two phases: forward and
+    backward (activations and FSDP's buffers) and the optimizer step (its scratch, the
+    activations of the microbatches in flight across it, what FSDP keeps through it and its
+    sharded gradients)."""
+    if rank == ranks - 1:
+        setup = replace(setup, gathered_versions=0)  # see the module docstring's fsdp_buffers
     memory = dict.fromkeys(COMPONENTS, 0.0)
     for stage in stages:
         for key, value in state_bytes(stage, setup).items():
@@ -370,8 +391,12 @@ def rank_memory(stages: list[StageShape], held: list[float], setup: Setup, sched
     memory["activations"] = sum(n * b for n, b in zip(held, held_bytes)) + transient_activation_bytes(stages, setup)
     memory["optimizer_step"] = optimizer_step_bytes(stages, setup)
     at_step = sum(held_at_step(schedule, n) * b for n, b in zip(held, held_bytes)) + memory["optimizer_step"]
-    fixed = sum(memory[key] for key in (*STATE_COMPONENTS, *BUFFER_COMPONENTS))
-    memory["total"] = fixed + max(memory["activations"], at_step)
+    at_step += fsdp_step_bytes(stages, setup)
+    fixed = sum(memory[key] for key in (*STATE_COMPONENTS, *TRANSPORT_COMPONENTS))
+    if setup.fsdp:  # see the module docstring's gradients
+        fixed -= memory["gradients"]
+        at_step += memory["gradients"]
+    memory["total"] = fixed + max(memory["activations"] + memory["fsdp_buffers"], at_step)
     return memory
 
 

@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from titan_async.commands.plan.memory import BUFFER_COMPONENTS, STATE_COMPONENTS, gib
+from titan_async.commands.plan.memory import STATE_COMPONENTS, TRANSPORT_COMPONENTS, gib
 
 TIGHT = 0.9
 """A rank above this share of --gpu-memory fits, but is reported as tight."""
@@ -64,8 +64,8 @@ class Table:
 def _memory_table(plan: dict[str, Any]) -> Table:
     memory = plan["gpu_memory_bytes"]
     table = Table(
-        "Memory per GPU (GiB); all GPUs of a pipeline rank hold the same (their FSDP shards); peak = state + buffers "
-        "+ max(act, act of the microbatches in flight across the optimizer step + opt step)",
+        "Memory per GPU (GiB); all GPUs of a pipeline rank hold the same (their FSDP shards); peak = state + P2P + stage in "
+        "+ NCCL + max(act + FSDP, opt step + what the microbatches in flight and FSDP keep through it)",
         ["pp (GPUs)", "stage: modules", "params", *_HEADERS.values(), "peak", f"of {gib(memory):g} GiB"],
         [],
         left=2,
@@ -77,7 +77,7 @@ def _memory_table(plan: dict[str, Any]) -> Table:
         stages = "; ".join(f"{s['index']}: {_modules(s['modules'])}" for s in row["stages"])
         table.rows.append([
             "{} ({}-{})".format(row["pp_rank"], *row["gpus"]), stages, _count(row["parameters"]),
-            *(f"{gib(m[key]):.2f}" for key in (*STATE_COMPONENTS, *BUFFER_COMPONENTS)),
+            *(f"{gib(m[key]):.2f}" for key in (*STATE_COMPONENTS, "fsdp_buffers", *TRANSPORT_COMPONENTS)),
             f"{gib(m['activations']):.2f} ({row['held_microbatches']:g})", f"{gib(m['optimizer_step']):.2f}",
             f"{gib(m['total']):.2f}", f"{share:.0%} {verdict}",
         ])
