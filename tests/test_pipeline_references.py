@@ -5,7 +5,10 @@ transport on 2 and 4 gloo processes. The references below import nothing from ti
 - PipeDream-2BW: the loop W[k+1] = W[k] - Opt(grad f_k(W[k-1])), W[-1] = W[0], on the whole model;
 - PACI: a per-stage simulation of its rule, with the backward written out by hand (stage s
   holds at most p-1-s microbatches in flight, steps after every `a` local backwards, and a
-  backward multiplies by the weights current at that moment).
+  backward multiplies by the weights current at that moment);
+- PACI under full activation checkpointing (its authors' "mem" mode): the same simulation, but
+  each block's backward first recomputes the block's output from the input its forward stored,
+  with the current weights, so it is the block's gradient at the weights current at the backward.
 Every update of every stage and every evaluation must agree to 1e-6 relative. A 2BW variant
 that applies the update to the stale version must fail. Each run's communication log is also
 replayed in the NCCL model (tests/nccl_model.py).
@@ -36,11 +39,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_pipeline(tmp_path: Path, schedule: str, stages: int, optimizer: str, accumulation: int = M, variant: str = "exact"):
-    """Train the toy pipeline on `stages` processes; returns (stage -> {"updates", "evaluations"}, communication logs)."""
+def run_pipeline(tmp_path: Path, schedule: str, stages: int, optimizer: str, accumulation: int = M, variant: str = "exact",
+                 checkpointing: str = "none"):
+    """Train the toy pipeline on `stages` processes, its blocks under activation `checkpointing`
+    ("none" or "full"); returns (stage -> {"updates", "evaluations"}, communication logs)."""
     out, comm = tmp_path / "out", tmp_path / "comm"
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={stages}", f"--master-port={free_port()}"]
-    run_worker([*launcher, str(WORKER), "pipeline", schedule, optimizer, str(accumulation), variant, str(out)], {"TITAN_ASYNC_COMM_LOG": str(comm)})
+    run_worker([*launcher, str(WORKER), "pipeline", schedule, optimizer, str(accumulation), variant, checkpointing, str(out)], {"TITAN_ASYNC_COMM_LOG": str(comm)})
     return {s: torch.load(out / f"stage{s}.pt") for s in range(stages)}, comm
 
 
@@ -110,11 +115,15 @@ def stage_actions(stage: int, stages: int) -> list[tuple[str, int]]:
     return actions
 
 
-def paci_reference(stages: int, optimizer_name: str, accumulation: int, backward_weights: str = "current"):
+def paci_reference(stages: int, optimizer_name: str, accumulation: int, backward: str = "saved"):
     """Each stage's flat weights after every local step, and the evaluations after drains.
 
-    `backward_weights="forward"` multiplies by the weights of the forward instead (weight
-    stashing): a different rule, which the pipeline must not match."""
+    `backward` says what a block's (the toy's Linear + tanh layer's) backward uses:
+    - "saved": the activations its forward saved and the weights current at the backward (PACI);
+    - "recomputed": its output recomputed from the input its forward stored, with the current
+      weights, and those weights (PACI under full activation checkpointing, the "mem" mode);
+    - "stashed": the activations and weights of its forward (weight stashing), a different rule
+      which the pipeline must not match."""
     weights = [[t.clone() for layer in toy.initial_stage(s) for t in layer] for s in range(stages)]
     grads = [[torch.zeros_like(t) for t in stage] for stage in weights]
     optimizers = [toy.optimizer(optimizer_name, stage) for stage in weights]
@@ -142,10 +151,13 @@ def paci_reference(stages: int, optimizer_name: str, accumulation: int, backward
                 g = gradients.pop((s, k))
                 for layer in reversed(range(len(saved[(s, k)]))):
                     x, y, forward_weight = saved[(s, k)][layer]
+                    weight, bias = weights[s][2 * layer], weights[s][2 * layer + 1]
+                    if backward == "recomputed":
+                        y = torch.tanh(x @ weight.T + bias)
                     gz = g * (1 - y * y)
                     grads[s][2 * layer] += gz.T @ x
                     grads[s][2 * layer + 1] += gz.sum(0)
-                    g = gz @ (weights[s][2 * layer] if backward_weights == "current" else forward_weight)
+                    g = gz @ (forward_weight if backward == "stashed" else weight)
                 del saved[(s, k)]
                 if s > 0:
                     gradients[(s - 1, k)] = g
@@ -201,8 +213,22 @@ def test_2bw_rule_rejects_an_update_of_the_stale_version(tmp_path):
 def test_paci_pipeline_follows_its_per_stage_rule(tmp_path, stages, optimizer, accumulation):
     pipelined, comm = run_pipeline(tmp_path, "PACI", stages, optimizer, accumulation)
     assert mismatch(pipelined, *paci_reference(stages, optimizer, accumulation)) < 1e-6
-    assert mismatch(pipelined, *paci_reference(stages, optimizer, accumulation, backward_weights="forward")) > 1e-4
+    assert mismatch(pipelined, *paci_reference(stages, optimizer, accumulation, backward="stashed")) > 1e-4
     nccl_model.assert_nccl_safe(comm, stages)
+
+
+def test_paci_under_full_activation_checkpointing_follows_the_recomputed_rule(tmp_path):
+    """Recomputing a block in the backward uses the weights current then, not the forward's."""
+    pipelined, comm = run_pipeline(tmp_path, "PACI", 2, "adamw", 2, checkpointing="full")
+    assert mismatch(pipelined, *paci_reference(2, "adamw", 2, backward="recomputed")) < 1e-6
+    assert mismatch(pipelined, *paci_reference(2, "adamw", 2)) > 1e-4
+    nccl_model.assert_nccl_safe(comm, 2)
+
+
+def test_2bw_under_full_activation_checkpointing_follows_the_delayed_gradient_rule(tmp_path):
+    """2BW switches to the forward's version before the backward, so recomputation changes nothing."""
+    pipelined, _ = run_pipeline(tmp_path, "PipeDream2BW", 2, "sgd", checkpointing="full")
+    assert mismatch(pipelined, *two_bw_reference(2, "sgd")) < 1e-6
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -2,17 +2,36 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torchtitan.distributed.activation_checkpoint import FullAC
 
-from conftest import CONFIGS, cli_in_process, sets
+from conftest import CONFIGS, REPO, cli_in_process, fresh_environment, sets
 from titan_async.config.run_config import build_run_config, load_run_config
 from titan_async.model.meta import build_meta_model
-from titan_async.commands.plan.memory import Setup, block_activation_bytes, bubble, compare_schedules, held_microbatches, parse_size
+from titan_async.commands.plan.memory import (
+    MuonMatrix,
+    Setup,
+    block_activation_bytes,
+    bubble,
+    compare_schedules,
+    held_microbatches,
+    muon_step_bytes,
+    parse_size,
+)
+from titan_async.optim.error_feedback import ErrorFeedback
+from titan_async.optim.muon import Muon
+from titan_async.optim.routing import route_parameters
+
+_SPEC = importlib.util.spec_from_file_location("bench_plan_memory", REPO / "tools" / "bench_plan_memory.py")
+bench_memory = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(bench_memory)
 
 pytestmark = pytest.mark.filterwarnings("ignore:DTensor random operators")  # initializing meta DTensors
 SHIPPED = sorted(CONFIGS.glob("*.toml"))
@@ -216,8 +235,52 @@ def test_block_activation_formula_matches_what_autograd_saves(mode):
         model.layers["0"](x, attention_masks=masks, positions=positions)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     measured = sum(n for ptr, n in saved.items() if ptr not in weights)
-    setup = Setup(dim=dim, kv_dim=kv_dim, ffn_dim=ffn_dim, vocab_size=512, tokens=seq, param_bytes=2, compute_bytes=2,
-                  reduce_bytes=4, weight_shards=1, fsdp=False, fsdp_degree=1, unsharded_for_step=False, version_copies=0,
-                  gathered_versions=0,
-                  optimizer="adamw", error_feedback=False, activation_checkpoint=mode)
+    setup = _setup(mode, dim=dim, kv_dim=kv_dim, ffn_dim=ffn_dim, tokens=seq, param_bytes=2, compute_bytes=2,
+                   optimizer="adamw", error_feedback=False)
     assert measured == pytest.approx(seq * block_activation_bytes(setup), rel=0.03)
+
+
+def _setup(mode: str = "none", **sizes) -> Setup:
+    """A float32 setup without FSDP, for the formulas that a single process can check."""
+    fields = dict(dim=256, kv_dim=128, ffn_dim=512, vocab_size=512, tokens=96, param_bytes=4, compute_bytes=4,
+                  reduce_bytes=4, weight_shards=1, fsdp=False, fsdp_degree=1, unsharded_for_step=False, version_copies=0,
+                  gathered_versions=0, optimizer="muon", error_feedback=True, activation_checkpoint=mode, ns_dtype="float32")
+    return Setup(**{**fields, **sizes})
+
+
+def test_muon_step_scratch_formula_matches_the_tensor_bytes_a_step_allocates():
+    """Nesterov momenta, the Q, K and V blocks copied out of each fused matrix, the Newton-Schulz
+    stacks (standard form for the square blocks, Gram form for the wide ones) and the updates."""
+    run = build_run_config({"model": {"dim": 128, "n_layers": 2, "n_heads": 4, "vocab_size": 512}}, "test")
+    tracker = bench_memory.live_tensor_tracker()
+    with tracker:
+        model = build_meta_model(run, 512, fsdp=False).spec.model.build()
+        model.to_empty(device="cpu")
+        routes = [r for r in route_parameters(model) if r.optimizer == "muon"]
+        group = {"params": [r.param for r in routes], "param_names": [r.name for r in routes]}
+        optimizer = ErrorFeedback(Muon([group], lr=0.02, ns_dtype="float32", blocks={r.name: r.blocks for r in routes}))
+        for _ in range(2):  # the second step finds every buffer of the state in place
+            for route in routes:
+                route.param.grad = torch.randn_like(route.param)
+            before = tracker.current
+            tracker.peak = before
+            optimizer.step()
+    matrices = tuple(MuonMatrix(tuple(r.param.shape), tuple(r.blocks.shapes(tuple(r.param.shape)))) for r in routes)
+    predicted = muon_step_bytes(matrices, sum(m.elements for m in matrices), _setup())
+    assert predicted == pytest.approx(tracker.peak - before, rel=0.01)
+
+
+def test_plan_memory_is_within_10_percent_of_the_peak_a_2bw_muon_run_keeps_alive():
+    """Two processes train PipeDream2BW with Muon and error feedback (tools/bench_plan_memory.py), on a
+    model whose optimizer step is the peak: plan's peak per pipeline rank, as CPU processes, against
+    the bytes of the tensors each process keeps alive at its peak."""
+    settings = sets("model.dim=256", "model.n_layers=4", "model.n_heads=4", "training.seq_len=32",
+                    "training.local_batch_size=2", "parallelism.pipeline_parallel_microbatch_size=1", "training.steps=3")
+    command = [sys.executable, "tools/bench_plan_memory.py", "--config", "debug_cpu_pp2_2bw", "--nproc", "2", *settings, "--json"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, env=fresh_environment())
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = json.loads(result.stdout)["ranks"]
+    assert [r["pp_rank"] for r in ranks] == [0, 1]
+    for rank in ranks:
+        assert rank["components"]["optimizer_step"] > rank["components"]["activations"]
+        assert abs(rank["predicted_bytes"] / rank["measured_bytes"] - 1) <= 0.10, rank

@@ -10,6 +10,8 @@ import torch
 
 import nccl_model
 from conftest import CONFIGS, TINY, checkpoint_weights, cli_in_process, losses, metrics, run_cli, sets
+from titan_async.config.run_config import load_run_config
+from titan_async.core.errors import UserError
 from titan_async.pipeline.actions import drain_actions, pipeline_order, window_actions
 
 
@@ -46,6 +48,25 @@ def test_paci_refuses_fewer_microbatches_than_its_first_stage_holds(capsys, tmp_
         "training.local_batch_size=2", "parallelism.pipeline_parallel_microbatch_size=1"))
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "needs at least as many microbatches as the first stage holds in flight (stages - 1)" in err and "= 2 < 3" in err
+
+
+def test_paci_refuses_selective_activation_checkpointing():
+    """Selective recomputation would mix PACI's saved and recomputed rules in one backward;
+    full recomputation and none run, and 2BW runs with every mode."""
+    emulated = ("parallelism.emulated_stages=2", "parallelism.pipeline_parallel_microbatch_size=1")
+    paci = ("parallelism.pipeline_parallel_schedule=PACI", *emulated)
+
+    def check(*assignments: str) -> None:
+        load_run_config(CONFIGS / "debug_cpu.toml", list(assignments)).check(1)
+
+    with pytest.raises(UserError) as refusal:
+        check(*paci, "activation_checkpoint.mode=selective")
+    message = str(refusal.value)
+    assert "\n" not in message and 'set activation_checkpoint.mode = "full"' in message
+    assert "activation_checkpoint.mode = 'selective' cannot run with PACI" in message
+    check(*paci, "activation_checkpoint.mode=full")
+    check(*paci, "activation_checkpoint.mode=none")
+    check("parallelism.pipeline_parallel_schedule=PipeDream2BW", *emulated, "activation_checkpoint.mode=selective")
 
 
 @pytest.mark.parametrize(

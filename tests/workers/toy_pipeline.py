@@ -1,8 +1,10 @@
 """A toy streaming pipeline built from titan_async's executor, stream, transport and weight policies.
 
-`toy_pipeline.py pipeline SCHEDULE OPTIMIZER ACCUMULATION VARIANT OUT` under torchrun (gloo):
-one stage per rank over the point-to-point transport. VARIANT "stale" applies 2BW's update
-to the stale version (W[k+1] = W[k-1] - Opt(g)), a wrong rule the references must reject.
+`toy_pipeline.py pipeline SCHEDULE OPTIMIZER ACCUMULATION VARIANT CHECKPOINTING OUT` under
+torchrun (gloo): one stage per rank over the point-to-point transport. VARIANT "stale" applies
+2BW's update to the stale version (W[k+1] = W[k-1] - Opt(g)), a wrong rule the references must
+reject. CHECKPOINTING "full" wraps each block of the stage in torchtitan's full activation
+checkpointing, as the trainer does (`activation_checkpoint.mode = "full"`); "none" does not.
 
 `toy_pipeline.py emulate SCHEDULE OPTIMIZER ACCUMULATION STAGES DEVICE FSDP OUT` in one process:
 every stage here (the single-process emulation), each layer and stage under FSDP2 on a
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torchtitan.distributed.activation_checkpoint import FullAC
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import toy_problem as toy  # noqa: E402
@@ -40,21 +43,32 @@ M = toy.M
 
 
 class ToyStage(torch.nn.Module):
-    """Linear + tanh layers with the problem's initial weights of `stage`."""
+    """Blocks of Linear + tanh with the problem's initial weights of `stage`, held in `layers`
+    as torchtitan's models hold their transformer blocks (its activation checkpointing wraps each)."""
 
     def __init__(self, stage: int) -> None:
         super().__init__()
-        layers = []
+        blocks = []
         for weight, bias in toy.initial_stage(stage):
             linear = torch.nn.Linear(toy.DIM, toy.DIM, dtype=torch.float64)
             with torch.no_grad():
                 linear.weight.copy_(weight)
                 linear.bias.copy_(bias)
-            layers += [linear, torch.nn.Tanh()]
-        self.body = torch.nn.Sequential(*layers)
+            blocks.append(torch.nn.Sequential(linear, torch.nn.Tanh()))
+        self.layers = torch.nn.Sequential(*blocks)
 
     def forward(self, x):
-        return self.body(x)
+        return self.layers(x)
+
+
+def checkpointed(module: torch.nn.Module, checkpointing: str) -> torch.nn.Module:
+    """`module` with each block under torchtitan's full activation checkpointing when
+    `checkpointing` is "full" (as the trainer applies it), unchanged when "none"."""
+    if checkpointing == "full":
+        FullAC.Config().build().apply(module)
+    elif checkpointing != "none":
+        raise ValueError(f"unknown checkpointing {checkpointing!r}")
+    return module
 
 
 def stale_apply_update(self, batch, optimizer_step):
@@ -105,14 +119,14 @@ def train(executors, steps, stages: int, device: torch.device) -> list[list[floa
     return evaluations
 
 
-def pipeline(schedule: str, optimizer_name: str, accumulation: int, variant: str, out: Path) -> None:
+def pipeline(schedule: str, optimizer_name: str, accumulation: int, variant: str, checkpointing: str, out: Path) -> None:
     comm_log.install_from_environment()
     dist.init_process_group("gloo")
     stage, stages, device = dist.get_rank(), dist.get_world_size(), torch.device("cpu")
     if variant == "stale":
         TwoVersions.apply_update = stale_apply_update
     transport = P2PTransport(edge_groups(dist.group.WORLD, {s: s for s in range(stages)}, device), stage, stages, device)
-    executor, step, updates = build_stage(stage, stages, ToyStage(stage), schedule, optimizer_name, accumulation, transport)
+    executor, step, updates = build_stage(stage, stages, checkpointed(ToyStage(stage), checkpointing), schedule, optimizer_name, accumulation, transport)
     evaluations = train([executor], {stage: step}, stages, device)
     torch.save({"updates": updates, "evaluations": evaluations}, out / f"stage{stage}.pt")
     dist.destroy_process_group()
@@ -129,9 +143,8 @@ def emulate(schedule: str, optimizer_name: str, accumulation: int, stages: int, 
     mailbox, built = {}, []
     for stage in range(stages):
         module = ToyStage(stage).to(device)
-        for layer in module.body:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+        for linear in [m for m in module.modules() if isinstance(m, torch.nn.Linear)]:
+            fully_shard(linear, mesh=mesh, reshard_after_forward=True)
         fully_shard(module, mesh=mesh, reshard_after_forward=True)
         transport = LocalTransport(mailbox, stage)
         built.append(build_stage(stage, stages, module, schedule, optimizer_name, accumulation, transport, fsdp == "hold"))
@@ -147,7 +160,7 @@ def main() -> None:
     out = Path(rest[-1])
     out.mkdir(parents=True, exist_ok=True)
     if mode == "pipeline":
-        pipeline(schedule, optimizer_name, int(accumulation), rest[0], out)
+        pipeline(schedule, optimizer_name, int(accumulation), rest[0], rest[1], out)
     else:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         emulate(schedule, optimizer_name, int(accumulation), int(rest[0]), torch.device(rest[1]), rest[2], out)

@@ -19,7 +19,9 @@ from titan_async.data.sources import DataSection
 from titan_async.model.llama import ModelSection
 from titan_async.optim.lr_schedule import RunLRSchedulers
 from titan_async.optim.section import OptimizerSection
-from titan_async.pipeline.config import DelayTraining, PipelineParallelism, check_pipeline, microbatches
+from titan_async.pipeline.config import (
+    DelayTraining, PipelineParallelism, check_activation_checkpoint, check_pipeline, microbatches,
+)
 from titan_async.pipeline.schedules import streaming_schedule
 from titan_async.train.health import HealthSection
 from titan_async.train.progress import RunMetrics, RunValidator
@@ -30,7 +32,7 @@ class ActivationCheckpointSection:
     """Recomputation of activations in the backward pass."""
 
     mode: Literal["none", "selective", "full"] = "selective"
-    """none: keep all activations; selective: torchtitan's per-op policy; full: recompute each block."""
+    """none: keep all activations; selective: torchtitan's per-op policy (refused with PACI); full: recompute each block."""
 
 
 def _default_sections() -> dict[str, Any]:
@@ -136,6 +138,7 @@ class RunConfig:
             )
         dp = self.data_parallel_degree(world_size)
         problem = check_pipeline(t, p, dp, self.microbatches())
+        problem = problem or check_activation_checkpoint(p, self.activation_checkpoint.mode)
         if problem:
             raise UserError(f"{self.source}: {problem}")
         if streaming_schedule(p.pipeline_parallel_schedule) and self.checkpoint.async_mode != "disabled":

@@ -98,3 +98,20 @@ def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism, da
             f"training.local_batch_size / parallelism.pipeline_parallel_microbatch_size = {microbatches} < {p - 1}"
         )
     return None
+
+
+def check_activation_checkpoint(parallelism: PipelineParallelism, mode: str) -> str | None:
+    """Why activation checkpointing `mode` cannot run with this schedule, naming the key; None if it can.
+
+    Under PACI a block recomputed in the backward sees the weights current at that moment
+    (`versions.LocalAccumulation`): "full" recomputes whole blocks, a rule of its own;
+    "selective" keeps some of a block's forward-time outputs and recomputes the rest, a mix
+    of both rules, which is refused."""
+    if mode != "selective" or streaming_schedule(parallelism.pipeline_parallel_schedule) is not SchedulePACI:
+        return None
+    return (
+        "activation_checkpoint.mode = 'selective' cannot run with PACI: a block's backward would mix outputs its "
+        "forward saved (every second matmul, attention) with ops recomputed with the weights of later local steps; "
+        "set activation_checkpoint.mode = \"full\" (blocks recomputed with the current weights) or \"none\" "
+        "(the forward's activations)"
+    )

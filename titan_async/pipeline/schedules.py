@@ -66,7 +66,8 @@ class SchedulePipeDream2BW(StreamingSchedule):
 
 
 class SchedulePACI(StreamingSchedule):
-    """PACI: no stash; each stage steps in place after every `accumulation` local backwards."""
+    """PACI: no stash; each stage steps in place after every `accumulation` local backwards
+    (`versions.LocalAccumulation`: the rule it trains, with and without activation checkpointing)."""
 
     name = "PACI"
 

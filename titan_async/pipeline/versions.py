@@ -5,7 +5,8 @@
   U_t; once batch b's gradient g_b is complete the stage computes U_{b+2} = U_{b+1} - Opt(g_b)
   in place of U_b. Net effect on every stage: W[k+1] = W[k] - Opt(grad f_k(W[k-1])), W[-1] = W[0].
 - `LocalAccumulation` (PACI): no stash; after every `a` local backwards the stage steps its
-  optimizer in place, so a microbatch may see newer weights in its backward than in its forward.
+  optimizer in place, so a microbatch may see newer weights in its backward than in its forward
+  (see its docstring for what activation checkpointing changes).
 """
 
 from __future__ import annotations
@@ -273,6 +274,14 @@ def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 class LocalAccumulation:
     """PACI: step in place after every `accumulation` local backwards, keeping saved graphs valid.
+
+    A backward reads the weights current when it runs. Without activation checkpointing it
+    combines them with the activations its forward saved (the forward's weights): PACI's rule.
+    Under full activation checkpointing each block first recomputes its forward from the input
+    the forward stored, with the current weights, so the block's backward is its gradient at the
+    current weights (PACI's "mem" mode; modules outside blocks keep the first rule). Selective
+    checkpointing would keep some outputs of a block's forward and recompute the rest, a mix of
+    both rules: the config refuses it (`pipeline.config.check_activation_checkpoint`).
 
     Under FSDP2 the stage reduces its gradients right before each local step and re-gathers
     after it, so in-flight backwards read the new weights."""

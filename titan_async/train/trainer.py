@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.checkpointer.base import LR_SCHEDULER, MODEL, OPTIMIZER, ModelWrapper
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
@@ -44,7 +45,7 @@ from titan_async.pipeline.schedules import StreamingSchedule
 from titan_async.pipeline.stream import StreamEngine
 from titan_async.pipeline.trace import Timeline
 from titan_async.pipeline.transport import LocalTransport
-from titan_async.pipeline.versions import OneStepDelay, TwoVersions, make_policy, two_versions
+from titan_async.pipeline.versions import LocalAccumulation, OneStepDelay, TwoVersions, make_policy, two_versions
 from titan_async.train.health import HealthGuard, HealthSection, skips_on_device
 from titan_async.train.late_read import LateRead
 
@@ -181,6 +182,10 @@ class AsyncTrainer(Trainer):
         self.delay: OneStepDelay | None = None
         self.timeline = None
         policies = self._attach_weight_policies()
+        paci = any(isinstance(policy, LocalAccumulation) for policy, _ in policies.values())
+        if paci and isinstance(config.activation_checkpoint, FullAC.Config):
+            logger.warning("PACI with activation_checkpoint.mode = 'full': each block's backward recomputes its forward with "
+                           "the weights current at the backward (PACI's \"mem\" rule), not with the forward's")
         if self.stream is not None:
             self._drain_before_every_save()
         if policies and self.checkpointer.enable:

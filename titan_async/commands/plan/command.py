@@ -26,8 +26,9 @@ from titan_async.model.meta import build_meta_model
 from titan_async.pipeline.schedules import SCHEDULE_NAMES, register as register_schedules
 
 
-def make_plan(run: RunConfig, cluster: Cluster) -> dict[str, Any]:
-    """Everything `plan` reports, as one JSON-ready object."""
+def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True) -> dict[str, Any]:
+    """Everything `plan` reports, as one JSON-ready object; with `gpu` False its memory is that of
+    CPU processes (gloo, CPU Newton-Schulz dtype) in place of the cluster's GPUs."""
     check_world_size(run, cluster)
     name = run.parallelism.pipeline_parallel_schedule
     if name.lower() not in {known.lower() for known in SCHEDULE_NAMES}:
@@ -44,7 +45,7 @@ def make_plan(run: RunConfig, cluster: Cluster) -> dict[str, Any]:
     vocab = resolve_vocab_size(run)
     model = build_meta_model(run, vocab, fsdp=not plain_parameters(run, cluster.world_size))
     layout = make_layout(run, cluster, model.spec.model)
-    setup = make_setup(run, layout, vocab)
+    setup = make_setup(run, layout, vocab, gpu)
     shapes = stage_shapes(model.module, layout.stage_modules)
     rows = estimate_ranks(layout, shapes, setup, cluster)
     for row in rows:

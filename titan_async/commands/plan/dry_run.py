@@ -28,8 +28,9 @@ from titan_async.parallel.fsdp_stage import FsdpStage
 from titan_async.pipeline.versions import two_versions
 
 ESTIMATE_ONLY_NOTE = (
-    "activations, FSDP unsharded buffers and P2P buffers are estimates only: meta tensors hold no activations, "
-    "FSDP allocates unsharded buffers only while it gathers, and the pipeline transport only while it sends and receives"
+    "activations, the optimizer step's scratch, FSDP's unsharded and flat buffers, P2P, stage-input and NCCL buffers "
+    "are estimates only: meta tensors hold no activations, and the optimizer, FSDP and the pipeline transport "
+    "allocate these buffers only while they step, gather, reduce, send and receive"
 )
 
 

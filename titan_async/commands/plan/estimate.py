@@ -15,17 +15,18 @@ from torchtitan.models.common import compute_ffn_hidden_dim
 
 from titan_async.commands.plan.memory import (
     COMPARED_SCHEDULES,
+    MuonMatrix,
     Setup,
     StageShape,
     fsdp_traffic_bytes,
     held_microbatches,
     parse_size,
     rank_memory,
-    transport_bytes,
 )
 from titan_async.config.assemble import plain_parameters, tokenizer_vocab_size
 from titan_async.config.run_config import RunConfig
 from titan_async.core.errors import UserError
+from titan_async.optim.newton_schulz import resolve_dtype
 from titan_async.optim.routing import route_parameters
 from titan_async.pipeline.schedules import SchedulePipeDream2BW, streaming_schedule
 from titan_async.pipeline.split import split_stages
@@ -154,11 +155,14 @@ def stage_shapes(model: torch.nn.Module, modules: list[list[str]]) -> list[Stage
     """Parameter counts of each stage, routed to Muon or AdamW as the optimizer would."""
     counts: Counter[str] = Counter()
     matrices: Counter[str] = Counter()
+    muon: dict[str, list[MuonMatrix]] = {}
     for route in route_parameters(model):
         owner = _owner(route.name)
         counts[owner] += route.param.numel()
         if route.optimizer == "muon":
             matrices[owner] += route.param.numel()
+            shape = tuple(route.param.shape)
+            muon.setdefault(owner, []).append(MuonMatrix(shape, tuple(route.blocks.shapes(shape))))
     shapes = []
     for index, names in enumerate(modules):
         units = [counts[n] for n in names if n not in ("norm", "lm_head")]
@@ -172,14 +176,17 @@ def stage_shapes(model: torch.nn.Module, modules: list[list[str]]) -> list[Stage
                 layers=sum(n.startswith("layers.") for n in names),
                 largest_unit=max(units),
                 last="lm_head" in names,
+                muon_matrices=tuple(m for n in names for m in muon.get(n, [])),
             )
         )
     return shapes
 
 
-def make_setup(run: RunConfig, layout: Layout, vocab: int) -> Setup:
-    """The per-rank memory parameters of `run` (dtypes, sharding, tokens per microbatch)."""
+def make_setup(run: RunConfig, layout: Layout, vocab: int, gpu: bool = True) -> Setup:
+    """The per-rank memory parameters of `run` (dtypes, sharding, tokens per microbatch) on GPUs,
+    or with `gpu` False on CPU processes."""
     s, p, t = run.model.resolved(vocab), run.parallelism, run.training
+    muon = run.optimizer.muon
     dim, heads = int(s["dim"]), int(s["n_heads"])
     split = p.context_parallel_degree * p.tensor_parallel_degree
     sequences = p.pipeline_parallel_microbatch_size if layout.pp > 1 or layout.emulated else t.local_batch_size
@@ -202,6 +209,11 @@ def make_setup(run: RunConfig, layout: Layout, vocab: int) -> Setup:
         optimizer=run.optimizer.name,
         error_feedback=run.optimizer.error_feedback.enabled,
         activation_checkpoint=run.activation_checkpoint.mode,
+        nesterov=muon.nesterov,
+        ns_steps=muon.ns_steps,
+        ns_dtype=str(resolve_dtype(muon.ns_dtype, torch.device("cuda" if gpu else "cpu"))).removeprefix("torch."),
+        muon_group=layout.fsdp * p.context_parallel_degree if layout.fsdp_applied else 1,
+        gpu=gpu,
     )
 
 
@@ -223,8 +235,8 @@ def estimate_ranks(layout: Layout, shapes: list[StageShape], setup: Setup, clust
     for rank, indices in enumerate(layout.rank_stages):
         stages = [shapes[i] for i in indices]
         held = _held(layout, rank)
-        transport = 0.0 if layout.emulated else transport_bytes(layout.schedule, rank, layout.pp, setup)
-        memory = {key: round(value) for key, value in rank_memory(stages, held, setup, transport).items()}
+        memory = rank_memory(stages, held, setup, layout.schedule, rank, layout.pp, layout.emulated)
+        memory = {key: round(value) for key, value in memory.items()}
         rows.append({
             "pp_rank": rank,
             "gpus": [rank * per_rank, (rank + 1) * per_rank - 1],

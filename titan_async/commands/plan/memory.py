@@ -1,13 +1,16 @@
 """Memory and bubble arithmetic behind `titan-async plan`: plain numbers in, bytes out.
 
-Per GPU, every pipeline rank's memory is the sum of these components (bytes):
+Per GPU, every pipeline rank's memory is made of these components (bytes); how they add up
+to its peak ("total") is said under optimizer_step:
 
 - weights: the rank's stage parameters / weight shards (FSDP x CP, and TP approximately),
   in the parameter dtype (training.dtype).
 - weight_versions: PipeDream2BW (and gradient_delay = 1) keeps a second weight version:
   one more copy of the local weights (for plain parameters the other buffer, under FSDP2 a
   side shard beside FSDP's own).
-- gradients: the sharded gradient, parameter dtype.
+- gradients: the sharded gradient, parameter dtype. Under FSDP it exists only from the
+  reduce-scatter to the optimizer's zero_grad: in forward and backward the unsharded
+  gradients (fsdp_buffers) stand in for it.
 - optimizer: AdamW keeps 2 moments per parameter; Muon 1 momentum buffer per hidden
   matrix and AdamW's 2 moments for everything else; parameter dtype.
 - error_feedback: one update-sized buffer per parameter when enabled.
@@ -17,28 +20,54 @@ Per GPU, every pipeline rank's memory is the sum of these components (bytes):
   resharding until the last backward of a step; the streaming stages hold their units
   gathered, titan_async.parallel.fsdp_stage): stage parameters x (compute + reduce bytes),
   and PipeDream2BW keeps its other version gathered too (+ stage parameters x compute
-  bytes). Without PP: the largest unit gathered twice (current and prefetched) plus its
-  unsharded gradient.
+  bytes) on every stage but the last, which runs each backward right after its forward and
+  so never needs the older version gathered beside the newer. Without PP: the largest unit
+  gathered twice (current and prefetched) plus its unsharded gradient.
+  FSDP's flat communication buffers come on top (`fsdp_flat_buffer_bytes`).
 - p2p_buffers: the streaming schedules' transport (titan_async.pipeline.transport): per
   direction of each edge at most w + 1 = p - rank receives posted ahead and as many sends
   outstanding, each one microbatch's stage-boundary tensor (tokens x dim, compute dtype).
-  torch's own schedules' receive buffers are not estimated (0).
+  A sent activation is the stage output its microbatch keeps for its backward, so the
+  outputs of in-flight microbatches are these send buffers. torch's own schedules' receive
+  buffers are not estimated (0).
+- stage_inputs: the received activations in-flight microbatches keep (`stage_input_bytes`).
+- nccl_buffers: GPU only (`nccl_buffer_bytes`): NCCL's buffers of the streaming transport's
+  per-edge communicators. gloo (CPU) has none.
 - activations: microbatches held between forward and backward x activations of one
   microbatch (see `block_activation_bytes`), plus transients: the logits of the last
   stage and, with full recomputation, one block recomputed for one microbatch.
+- optimizer_step: scratch of one optimizer step (`optimizer_step_bytes`): Muon's momenta,
+  gathered full matrices, Newton-Schulz work buffers and updates, and the weight copy error
+  feedback makes around AdamW. It is alive only during the step, while the microbatches in
+  flight across it keep their activations (`held_at_step`) and FSDP keeps only a pipeline
+  stage's gathered weights (`fsdp_step_bytes`), so the peak ("total") is state + transport
+  buffers + max(activations + fsdp_buffers, those at the step + optimizer_step), with FSDP's
+  sharded gradients in the second term only.
 
 The first five are what a meta-device dry run allocates (`STATE_COMPONENTS`); the
-last three exist only while training runs, so they are estimates only.
+others exist only while training runs, so they are estimates only. tools/bench_plan_memory.py
+compares the total with the tensor bytes a CPU run keeps alive at its peak.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
+import torch
+
+from titan_async.optim.full_matrix import assign_owners
+from titan_async.optim.newton_schulz import flops, gram_form
+
 STATE_COMPONENTS = ("weights", "weight_versions", "gradients", "optimizer", "error_feedback")
-COMPONENTS = (*STATE_COMPONENTS, "fsdp_buffers", "p2p_buffers", "activations")
+TRANSPORT_COMPONENTS = ("p2p_buffers", "stage_inputs", "nccl_buffers")
+COMPONENTS = (*STATE_COMPONENTS, "fsdp_buffers", *TRANSPORT_COMPONENTS, "activations", "optimizer_step")
+"""Every component of a rank's memory; "total" is not their sum (see the module docstring)."""
+NCCL_BUFFSIZE = 4 * 2**20
+"""NCCL_BUFFSIZE's default: the buffer NCCL allocates per channel for each peer it connects to."""
+NCCL_P2P_CHANNELS = 2
+"""Channels NCCL opens per peer for point-to-point operations (assumed; NCCL picks them by topology)."""
 COMPARED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "PipeDream2BW", "PACI")
 """Schedules whose predicted bubble `plan` prints for every config."""
 INTERLEAVED_CHUNKS = 2
@@ -61,6 +90,19 @@ def parse_size(text: str) -> int:
 
 
 @dataclass(frozen=True)
+class MuonMatrix:
+    """One matrix Muon updates: its full shape and the shapes of the blocks it orthogonalises
+    separately (several blocks are copied out of the matrix and merged back)."""
+
+    shape: tuple[int, int]
+    blocks: tuple[tuple[int, int], ...]
+
+    @property
+    def elements(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+@dataclass(frozen=True)
 class StageShape:
     """One pipeline stage: its modules and parameter counts (unsharded)."""
 
@@ -73,6 +115,8 @@ class StageShape:
     largest_unit: int
     """Parameters of its largest FSDP unit (a block, the embedding, or norm + output head)."""
     last: bool
+    muon_matrices: tuple[MuonMatrix, ...] = ()
+    """Its Muon matrices in parameter order (the order Muon stacks their blocks in)."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +144,14 @@ class Setup:
     optimizer: Literal["adamw", "muon"]
     error_feedback: bool
     activation_checkpoint: Literal["none", "selective", "full"]
+    nesterov: bool = True
+    ns_steps: int = 5
+    ns_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Newton-Schulz iteration dtype on the planned device (optimizer.muon.ns_dtype resolved)."""
+    muon_group: int = 1
+    """Ranks whose shards of a matrix Muon gathers to one owner (1: matrices are whole)."""
+    gpu: bool = True
+    """Planned for GPUs (NCCL); False for CPU processes (gloo)."""
 
 
 def state_bytes(stage: StageShape, setup: Setup) -> dict[str, float]:
@@ -120,13 +172,35 @@ def state_bytes(stage: StageShape, setup: Setup) -> dict[str, float]:
 
 
 def fsdp_buffer_bytes(stages: list[StageShape], setup: Setup) -> float:
-    """FSDP2's unsharded parameters and gradients on one rank (see the module docstring)."""
+    """FSDP2's unsharded parameters and gradients on one rank (see the module docstring), plus
+    its flat communication buffers (`fsdp_flat_buffer_bytes`)."""
     if not setup.fsdp:
         return 0.0
     if setup.unsharded_for_step:
-        return sum(s.params for s in stages) * ((1 + setup.gathered_versions) * setup.compute_bytes + setup.reduce_bytes)
-    largest = max(s.largest_unit for s in stages)
-    return largest * (2 * setup.compute_bytes + setup.reduce_bytes)
+        unsharded = sum(s.params for s in stages) * ((1 + setup.gathered_versions) * setup.compute_bytes + setup.reduce_bytes)
+    else:
+        unsharded = max(s.largest_unit for s in stages) * (2 * setup.compute_bytes + setup.reduce_bytes)
+    return unsharded + fsdp_flat_buffer_bytes(stages, setup)
+
+
+def fsdp_flat_buffer_bytes(stages: list[StageShape], setup: Setup) -> float:
+    """FSDP2's flat communication buffers (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py),
+    one unit at a time: the all-gather output its parameters are copied out of (compute dtype),
+    or the reduce-scatter input its gradients are copied into (reduce dtype; FSDP drops the
+    previous unit's before it makes the next). Sized by the largest unit; 0 without FSDP."""
+    if not setup.fsdp:
+        return 0.0
+    return max(s.largest_unit for s in stages) * max(setup.compute_bytes, setup.reduce_bytes)
+
+
+def fsdp_step_bytes(stages: list[StageShape], setup: Setup) -> float:
+    """What FSDP2 keeps through an optimizer step: the gathered parameters (and 2BW's gathered
+    second version) of a pipeline stage, which stays gathered; gradients were reduce-scattered
+    and their unsharded copies freed before the step. Without a pipeline every unit is
+    resharded by then: 0."""
+    if not (setup.fsdp and setup.unsharded_for_step):
+        return 0.0
+    return sum(s.params for s in stages) * (1 + setup.gathered_versions) * setup.compute_bytes
 
 
 def block_activation_bytes(setup: Setup, mode: str | None = None) -> int:
@@ -196,19 +270,133 @@ def transport_bytes(schedule: str, rank: int, ranks: int, setup: Setup) -> float
     return directions * (ranks - rank) * setup.tokens * setup.dim * setup.compute_bytes
 
 
-def rank_memory(stages: list[StageShape], held: list[float], setup: Setup, transport: float = 0.0) -> dict[str, float]:
-    """Per-GPU bytes of every component (`COMPONENTS`) and their "total", for a rank holding
-    `stages` with `held[i]` microbatches in flight on stage i and `transport` bytes of
-    point-to-point buffers (`transport_bytes`)."""
+def nccl_buffer_bytes(schedule: str, rank: int, ranks: int, setup: Setup) -> float:
+    """NCCL's buffers of the streaming transport's per-edge communicators on pipeline rank `rank`
+    (GPU only; 0 for gloo): one communicator per direction of each edge, 2 per neighbour, each
+    NCCL_P2P_CHANNELS x NCCL_BUFFSIZE on this rank (assumed: NCCL sizes channels by topology,
+    and NCCL_BUFFSIZE set lower shrinks them). The communicators FSDP and torch's own schedules
+    share are not counted."""
+    if not setup.gpu or schedule.lower() not in STREAMING_SCHEDULES or ranks < 2:
+        return 0.0
+    communicators = 2 * ((rank > 0) + (rank < ranks - 1))
+    return communicators * NCCL_P2P_CHANNELS * NCCL_BUFFSIZE
+
+
+def stage_input_bytes(stage: StageShape, held: float, setup: Setup) -> float:
+    """The received activations (tokens x dim, compute dtype) that the `held` in-flight
+    microbatches of a stage other than the first keep until their backward (its input gradient
+    is computed into them). In float32 the first block's RMSNorm keeps this very tensor as its
+    float32 input, which `block_activation_bytes` counts, so it is 0 there."""
+    if stage.index == 0 or (setup.compute_bytes == 4 and stage.layers):
+        return 0.0
+    return held * setup.tokens * setup.dim * setup.compute_bytes
+
+
+def _stacks(matrices: tuple[MuonMatrix, ...]) -> list[tuple[int, int, int]]:
+    """(blocks, narrow side, wide side) of each stack Muon orthogonalises, in the order it meets
+    them (titan_async.optim.newton_schulz_batched.orthogonalize_all)."""
+    counts: dict[tuple[int, int], int] = {}
+    for matrix in matrices:
+        for rows, cols in matrix.blocks:
+            key = (min(rows, cols), max(rows, cols))
+            counts[key] = counts.get(key, 0) + 1
+    return [(count, narrow, wide) for (narrow, wide), count in counts.items()]
+
+
+def newton_schulz_bytes(count: int, narrow: int, wide: int, setup: Setup) -> float:
+    """Peak bytes of one stack's Newton-Schulz iteration, its result included
+    (`orthogonalize_batched`): the stacked blocks (parameter dtype), the iterate and the result
+    or spare (2 x the stack, iteration dtype), and narrow x narrow buffers per block, 2 in the
+    standard form and 4 in the Gram form (float32 only, for wide blocks)."""
+    ns_bytes = torch.finfo(getattr(torch, setup.ns_dtype)).bits // 8
+    elements = count * narrow * wide
+    squares = 4 if gram_form((narrow, wide), setup.ns_steps, getattr(torch, setup.ns_dtype)) else 2
+    return elements * (setup.param_bytes + 2 * ns_bytes) + squares * count * narrow * narrow * ns_bytes
+
+
+def muon_step_bytes(owned: tuple[MuonMatrix, ...], local_elements: float, setup: Setup) -> float:
+    """Scratch of one Muon step (titan_async.optim.muon.Muon.updates) on a rank that orthogonalises
+    the full matrices `owned` and holds `local_elements` of Muon parameters, parameter dtype:
+    the Nesterov momenta (local), under FSDP the gathered full matrices, the blocks copied out of
+    fused matrices, then the largest of: the iteration of each stack on top of the results of
+    the stacks before it; all results and their lr-scaled copies (2 x owned); under FSDP the
+    exchange back (the updates, their padded and concatenated copies: 3 x owned, and the local
+    rows received)."""
+    p = setup.param_bytes
+    full = sum(m.elements for m in owned) * p
+    base = (local_elements * p if setup.nesterov else 0.0) + (full if setup.muon_group > 1 else 0.0)
+    split = sum(m.elements for m in owned if len(m.blocks) > 1) * p
+    peak, done = 2 * full + split, 0.0
+    for count, narrow, wide in _stacks(owned):
+        peak = max(peak, split + done + newton_schulz_bytes(count, narrow, wide, setup))
+        done += count * narrow * wide * p
+    if setup.muon_group > 1:
+        peak = max(peak, 3 * full + local_elements * p)
+    return base + peak
+
+
+def _owned_matrices(stage: StageShape, setup: Setup) -> list[tuple[MuonMatrix, ...]]:
+    """The matrices each rank of the Muon group owns (owners balanced by Newton-Schulz FLOPs,
+    as `titan_async.optim.full_matrix.map_full_matrices` assigns them)."""
+    dtype = getattr(torch, setup.ns_dtype)
+    costs = [sum(flops(block, setup.ns_steps, dtype) for block in m.blocks) for m in stage.muon_matrices]
+    owners = assign_owners(costs, setup.muon_group)
+    return [tuple(m for m, o in zip(stage.muon_matrices, owners) if o == rank) for rank in range(setup.muon_group)]
+
+
+def optimizer_step_bytes(stages: list[StageShape], setup: Setup) -> float:
+    """Peak scratch of the optimizer steps of a rank's stages (each stage's optimizers step one
+    after another): Muon's (`muon_step_bytes`, on the rank owning the most), and with error
+    feedback around AdamW the copy of AdamW's local weights it makes each step to measure the
+    update (titan_async.optim.error_feedback). Fused AdamW itself needs no scratch."""
+    peak = 0.0
+    for stage in stages:
+        if setup.error_feedback:
+            adamw = stage.params - (stage.matrix_params if setup.optimizer == "muon" else 0)
+            peak = max(peak, adamw / setup.weight_shards * setup.param_bytes)
+        if setup.optimizer == "muon" and stage.muon_matrices:
+            local = stage.matrix_params / setup.weight_shards
+            peak = max(peak, *(muon_step_bytes(owned, local, setup) for owned in _owned_matrices(stage, setup)))
+    return peak
+
+
+def held_at_step(schedule: str, held: float) -> float:
+    """Microbatches in flight across an optimizer step: a streaming stage steps right after the
+    backward that completes a batch, with the others it holds at its peak still in flight; the
+    other schedules step after every backward."""
+    return max(held - 1, 0) if schedule.lower() in STREAMING_SCHEDULES else 0.0
+
+
+def rank_memory(stages: list[StageShape], held: list[float], setup: Setup, schedule: str = "", rank: int = 0,
+                ranks: int = 1, emulated: bool = False) -> dict[str, float]:
+    """Per-GPU bytes of every component (`COMPONENTS`) and their peak "total", for pipeline rank
+    `rank` of `ranks` running `schedule`, holding `stages` with `held[i]` microbatches in flight
+    on stage i (the single-process emulation, `emulated`, sends nothing between ranks). The
+    peak is the state and the transport's buffers plus the larger of two phases: forward and
+    backward (activations and FSDP's buffers) and the optimizer step (its scratch, the
+    activations of the microbatches in flight across it, what FSDP keeps through it and its
+    sharded gradients)."""
+    if rank == ranks - 1:
+        setup = replace(setup, gathered_versions=0)  # see the module docstring's fsdp_buffers
     memory = dict.fromkeys(COMPONENTS, 0.0)
     for stage in stages:
         for key, value in state_bytes(stage, setup).items():
             memory[key] += value
     memory["fsdp_buffers"] = fsdp_buffer_bytes(stages, setup)
-    memory["p2p_buffers"] = transport
-    memory["activations"] = sum(n * microbatch_activation_bytes(s, setup) for s, n in zip(stages, held))
-    memory["activations"] += transient_activation_bytes(stages, setup)
-    memory["total"] = sum(memory[key] for key in COMPONENTS)
+    if not emulated:
+        memory["p2p_buffers"] = transport_bytes(schedule, rank, ranks, setup)
+        memory["nccl_buffers"] = nccl_buffer_bytes(schedule, rank, ranks, setup)
+        memory["stage_inputs"] = sum(stage_input_bytes(s, n, setup) for s, n in zip(stages, held))
+    held_bytes = [microbatch_activation_bytes(s, setup) for s in stages]
+    memory["activations"] = sum(n * b for n, b in zip(held, held_bytes)) + transient_activation_bytes(stages, setup)
+    memory["optimizer_step"] = optimizer_step_bytes(stages, setup)
+    at_step = sum(held_at_step(schedule, n) * b for n, b in zip(held, held_bytes)) + memory["optimizer_step"]
+    at_step += fsdp_step_bytes(stages, setup)
+    fixed = sum(memory[key] for key in (*STATE_COMPONENTS, *TRANSPORT_COMPONENTS))
+    if setup.fsdp:  # see the module docstring's gradients
+        fixed -= memory["gradients"]
+        at_step += memory["gradients"]
+    memory["total"] = fixed + max(memory["activations"] + memory["fsdp_buffers"], at_step)
     return memory
 
 

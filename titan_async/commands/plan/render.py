@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from titan_async.commands.plan.memory import STATE_COMPONENTS, gib
+from titan_async.commands.plan.memory import STATE_COMPONENTS, TRANSPORT_COMPONENTS, gib
 
 TIGHT = 0.9
 """A rank above this share of --gpu-memory fits, but is reported as tight."""
@@ -47,7 +47,8 @@ def _count(n: int) -> str:
 
 
 _HEADERS = {"weights": "weights", "weight_versions": "2BW", "gradients": "grads", "optimizer": "optim",
-            "error_feedback": "EF", "fsdp_buffers": "FSDP", "p2p_buffers": "P2P", "activations": "act (held mb)"}
+            "error_feedback": "EF", "fsdp_buffers": "FSDP", "p2p_buffers": "P2P", "stage_inputs": "stage in",
+            "nccl_buffers": "NCCL", "activations": "act (held mb)", "optimizer_step": "opt step"}
 
 
 @dataclass
@@ -63,8 +64,9 @@ class Table:
 def _memory_table(plan: dict[str, Any]) -> Table:
     memory = plan["gpu_memory_bytes"]
     table = Table(
-        "Memory per GPU (GiB); all GPUs of a pipeline rank hold the same (their FSDP shards)",
-        ["pp (GPUs)", "stage: modules", "params", *_HEADERS.values(), "total", f"of {gib(memory):g} GiB"],
+        "Memory per GPU (GiB); all GPUs of a pipeline rank hold the same (their FSDP shards); peak = state + P2P + stage in "
+        "+ NCCL + max(act + FSDP, opt step + what the microbatches in flight and FSDP keep through it)",
+        ["pp (GPUs)", "stage: modules", "params", *_HEADERS.values(), "peak", f"of {gib(memory):g} GiB"],
         [],
         left=2,
     )
@@ -75,8 +77,9 @@ def _memory_table(plan: dict[str, Any]) -> Table:
         stages = "; ".join(f"{s['index']}: {_modules(s['modules'])}" for s in row["stages"])
         table.rows.append([
             "{} ({}-{})".format(row["pp_rank"], *row["gpus"]), stages, _count(row["parameters"]),
-            *(f"{gib(m[key]):.2f}" for key in STATE_COMPONENTS), f"{gib(m['fsdp_buffers']):.2f}", f"{gib(m['p2p_buffers']):.2f}",
-            f"{gib(m['activations']):.2f} ({row['held_microbatches']:g})", f"{gib(m['total']):.2f}", f"{share:.0%} {verdict}",
+            *(f"{gib(m[key]):.2f}" for key in (*STATE_COMPONENTS, "fsdp_buffers", *TRANSPORT_COMPONENTS)),
+            f"{gib(m['activations']):.2f} ({row['held_microbatches']:g})", f"{gib(m['optimizer_step']):.2f}",
+            f"{gib(m['total']):.2f}", f"{share:.0%} {verdict}",
         ])
     return table
 
