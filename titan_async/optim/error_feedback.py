@@ -74,10 +74,22 @@ class ErrorFeedback(Optimizer):
             state = self.state[param]
             if PREVIOUS_UPDATE not in state:
                 state[PREVIOUS_UPDATE] = torch.zeros_like(param)
-                state[STEPS] = torch.zeros((), dtype=torch.float32)
+                state[STEPS] = torch.zeros((), dtype=torch.float32, device=_local(param).device)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """With `found_inf` set (a 0-dim tensor, passed on to the base optimizer), a value of 1
+        skips the update on the device: weights, u_{t-1} and the step count stay."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None:
+            self.base.found_inf = found_inf
+        try:
+            return self._step(closure, None if found_inf is None else found_inf == 0)
+        finally:
+            if found_inf is not None:
+                del self.base.found_inf
+
+    def _step(self, closure: Callable[[], float] | None, keep: torch.Tensor | None) -> float | None:
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         if all(float(group["lr"]) == 0 for group in self.param_groups):
             loss = self.base.step(closure)
@@ -88,29 +100,37 @@ class ErrorFeedback(Optimizer):
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
-            self._correct(self.base.updates(), applied=False)
+            self._correct(self.base.updates(), applied=False, keep=keep)
             return loss
         weights = [_local(p) for p in params]
         updates = [w.clone() for w in weights]
         loss = self.base.step(closure)
         for weight, update in zip(weights, updates):
             update.sub_(weight)
-        self._correct(list(zip(params, updates)), applied=True)
+        self._correct(list(zip(params, updates)), applied=True, keep=keep)
         return loss
 
-    def _correct(self, updates: list[tuple[torch.Tensor, torch.Tensor]], applied: bool) -> None:
-        """Subtract u_t (unless `applied`) and c (u_t - u_{t-1}) from each parameter; keep u_t."""
+    def _correct(self, updates: list[tuple[torch.Tensor, torch.Tensor]], applied: bool, keep: torch.Tensor | None) -> None:
+        """Subtract u_t (unless `applied`) and c (u_t - u_{t-1}) from each parameter; keep u_t.
+        Where `keep` is False (a skipped update, u_t = 0) nothing changes."""
         self._create_state([param for param, _ in updates])
         squared_norms = []
         for param, update in updates:
             state = self.state[param]
             weight = _local(param)
             correction = _local(state[PREVIOUS_UPDATE])
+            previous = None if keep is None else correction.clone()
             correction.sub_(update).mul_(-self.coefficient * state[STEPS].clamp(max=1))
+            if keep is not None:
+                correction.mul_(keep)
             if not applied:
                 weight.sub_(update)
             weight.sub_(correction)
             squared_norms.append(correction.float().square().sum())
-            correction.copy_(update)
-            state[STEPS] += 1
+            if keep is None:
+                correction.copy_(update)
+                state[STEPS] += 1
+            else:
+                correction.copy_(torch.where(keep, update, previous))
+                state[STEPS] += keep
         self.last_correction_norm = torch.stack(squared_norms).sum().sqrt() if squared_norms else None

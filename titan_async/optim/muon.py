@@ -127,7 +127,11 @@ class Muon(Optimizer):
 
         Advances the momentum buffers and leaves the weights alone: `step` is W -= u. Every
         rank of an FSDP group must call this at the same time (it exchanges the matrices).
+        With `found_inf` set (a 0-dim tensor, as torch's fused optimizers take it), a value of
+        1 skips the update on the device: the buffers stay and every u is zero.
         """
+        found_inf = getattr(self, "found_inf", None)
+        keep = None if found_inf is None else (found_inf == 0)
         params, groups, momenta = [], [], []
         for group in self.param_groups:
             momentum = group["momentum"]
@@ -138,7 +142,10 @@ class Muon(Optimizer):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(param.grad)
                 grad, buffer = _local(param.grad), _local(state["momentum_buffer"])
-                buffer.lerp_(grad, 1 - momentum)
+                if keep is None:
+                    buffer.lerp_(grad, 1 - momentum)
+                else:
+                    buffer.copy_(torch.where(keep, buffer.lerp(grad, 1 - momentum), buffer))
                 momenta.append(grad.lerp(buffer, momentum) if group["nesterov"] else buffer)
                 params.append(param)
                 groups.append(group)
@@ -153,6 +160,8 @@ class Muon(Optimizer):
         for param, group, update in zip(params, groups, updates):
             if group["weight_decay"]:
                 update.add_(_local(param), alpha=group["lr"] * group["weight_decay"])
+            if keep is not None:
+                update.mul_(keep)
         return list(zip(params, updates))
 
     @torch.no_grad()

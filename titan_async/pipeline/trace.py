@@ -4,19 +4,29 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+Mark = tuple[float, object]
+"""A point in time: host seconds, and on CUDA the event recorded on the current stream there."""
 
 
 class Timeline:
     """Compute intervals of one rank, in seconds (wall clock, comparable across local ranks).
 
     Waiting for a neighbour is not recorded, so the idle share of a window is its bubble.
+    Windows are contiguous: each runs from the previous one's end (or, after `restart`, from
+    `start_window`) to its own, so host work between windows (logging, loading the next
+    batch) that leaves the device idle counts in the bubble.
+
     On CUDA the intervals are those of the GPU, measured with CUDA events (wall-clock time
-    around a launch measures only the enqueueing); they are read once per window, in
-    `end_window`, which waits for the window's last kernel (one host sync per step).
+    around a launch measures only the enqueueing). Without a trace, `end_window` never waits
+    for the device: it reads the windows whose last kernel has finished (`Event.query`), so a
+    window's bubble is reported once the device has run it, a step or so late. With a trace
+    (`keep_events`) it waits for the window's end, one host sync per step.
     """
 
     def __init__(self, rank: int, keep_events: bool, device: torch.device | None = None) -> None:
@@ -24,52 +34,72 @@ class Timeline:
         self.keep_events = keep_events
         self.cuda = device is not None and device.type == "cuda"
         self.events: list[tuple[str, float, float]] = []
-        self.pending: list[tuple[str, object, object]] = []
-        self.window_start = 0.0
-        self.window_start_event = None
-        self.busy = 0.0
+        self.pending: list[tuple[str, Mark, Mark]] = []
+        self.unread: deque[tuple[Mark, Mark, list[tuple[str, Mark, Mark]]]] = deque()
+        self.origin: Mark | None = None
         self.last_bubble: float | None = None
 
-    def _now(self):
+    def _mark(self) -> Mark:
         if not self.cuda:
-            return time.time()
+            return time.time(), None
         event = torch.cuda.Event(enable_timing=True)
         event.record()
-        return event
+        return time.time(), event
+
+    def _seconds(self, start: Mark, end: Mark) -> float:
+        return start[1].elapsed_time(end[1]) / 1e3 if self.cuda else end[0] - start[0]
 
     def start_window(self) -> None:
-        self.window_start, self.busy, self.pending = time.time(), 0.0, []
-        self.window_start_event = self._now()
+        """Open a window; it starts where the previous one ended unless `restart` came between."""
+        if self.origin is None:
+            self.origin = self._mark()
+        self.pending = []
+
+    def restart(self) -> None:
+        """The stream was drained: the drain's actions join the trace (a drain is no window and
+        has no bubble), and the next window starts when it is fed, not where the last ended."""
+        if self.keep_events and self.pending and self.origin is not None:
+            self._finished(self.pending[-1][2])
+            self._trace(self.origin, self.pending)
+        self.origin, self.pending = None, []
 
     @contextmanager
     def action(self, name: str):
-        start = self._now()
+        start = self._mark()
         yield
-        end = self._now()
-        if self.cuda:
-            self.pending.append((name, start, end))
-            return
-        self.busy += end - start
-        if self.keep_events:
-            self.events.append((name, start, end))
+        self.pending.append((name, start, self._mark()))
 
-    def end_window(self) -> float:
-        """The window's idle share (its bubble); also kept as `last_bubble`."""
-        end = self._now()
-        if self.cuda:
-            end.synchronize()
-            origin = self.window_start_event
-            for name, start, stop in self.pending:
-                self.busy += start.elapsed_time(stop) / 1e3
-                if self.keep_events:
-                    offset = self.window_start + origin.elapsed_time(start) / 1e3
-                    self.events.append((name, offset, offset + start.elapsed_time(stop) / 1e3))
-            self.pending = []
-            elapsed = origin.elapsed_time(end) / 1e3
-        else:
-            elapsed = end - self.window_start
-        self.last_bubble = max(0.0, 1.0 - self.busy / elapsed) if elapsed > 0 else 0.0
+    def end_window(self) -> float | None:
+        """Close the window; returns the bubble of the latest window read so far (`last_bubble`)."""
+        end = self._mark()
+        self.unread.append((self.origin, end, self.pending))
+        self.origin, self.pending = end, []
+        while self.unread and self._finished(self.unread[0][1]):
+            self.last_bubble = self._read(*self.unread.popleft())
         return self.last_bubble
+
+    def _finished(self, mark: Mark) -> bool:
+        event = mark[1]
+        if event is None:
+            return True
+        if self.keep_events:
+            event.synchronize()
+            return True
+        return event.query()
+
+    def _read(self, origin: Mark, end: Mark, actions: list[tuple[str, Mark, Mark]]) -> float:
+        """The idle share of one finished window; its actions join the trace when kept."""
+        if self.keep_events:
+            self._trace(origin, actions)
+        busy = sum(self._seconds(start, stop) for _, start, stop in actions)
+        elapsed = self._seconds(origin, end)
+        return max(0.0, 1.0 - busy / elapsed) if elapsed > 0 else 0.0
+
+    def _trace(self, origin: Mark, actions: list[tuple[str, Mark, Mark]]) -> None:
+        """Keep `actions` (finished) as trace events, in host seconds from `origin`'s host time."""
+        for name, start, stop in actions:
+            offset = origin[0] + self._seconds(origin, start)
+            self.events.append((name, offset, offset + self._seconds(start, stop)))
 
     def write(self, path: Path) -> None:
         """Chrome/Perfetto trace events of this rank (one thread per rank)."""

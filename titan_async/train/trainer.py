@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,8 @@ from titan_async.pipeline.stream import StreamEngine
 from titan_async.pipeline.trace import Timeline
 from titan_async.pipeline.transport import LocalTransport
 from titan_async.pipeline.versions import LocalAccumulation, OneStepDelay, TwoVersions, make_policy, two_versions
-from titan_async.train.health import HealthGuard, HealthSection
+from titan_async.train.health import HealthGuard, HealthSection, skips_on_device
+from titan_async.train.late_read import LateRead
 
 
 def _names(model: torch.nn.Module) -> list[str]:
@@ -114,7 +116,7 @@ class StopRequest:
     def __init__(self) -> None:
         self.reason: str | None = None
         self.signals = 0
-        self.pending: tuple[torch.Tensor, dist.Work] | None = None
+        self.pending: Callable[[], int] | None = None
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
@@ -134,17 +136,26 @@ class StopRequest:
     def agreed(self, device: torch.device) -> str | None:
         """The reason to stop that any rank had at its previous call, on every rank.
 
-        Each call starts one all-reduce and waits for the previous call's, which has long
-        finished: a step boundary is then no synchronisation point, so a streaming
-        pipeline keeps flowing across it. A stop takes effect one step after the request."""
-        code = torch.tensor([self.REASONS.index(self.reason)], device=device)
+        Each call starts one all-reduce and reads the previous call's, which has long finished:
+        a step boundary is then no synchronisation point, so a streaming pipeline keeps flowing
+        across it. On CUDA the result is copied to pinned host memory behind the all-reduce and
+        read through an event, so the host waits for the previous step's end, never for the
+        work it has queued since. A stop takes effect one step after the request."""
+        code = torch.full((1,), self.REASONS.index(self.reason), device=device)
         if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return self.REASONS[int(code.item())]
-        previous, self.pending = self.pending, (code, dist.all_reduce(code, op=dist.ReduceOp.MAX, async_op=True))
-        if previous is None:
-            return None
-        previous[1].wait()
-        return self.REASONS[int(previous[0].item())]
+            return self.reason
+        previous, self.pending = self.pending, _start_max(code)
+        return None if previous is None else self.REASONS[previous()]
+
+
+def _start_max(value: torch.Tensor) -> Callable[[], int]:
+    """Start an all-reduce (max) of a one-element tensor; returns the function that reads the result."""
+    work = dist.all_reduce(value, op=dist.ReduceOp.MAX, async_op=True)
+    if value.device.type != "cuda":
+        return lambda: (work.wait(), int(value.item()))[1]
+    work.wait()  # on NCCL this orders the current stream after the all-reduce; the host goes on
+    result = LateRead(value)
+    return lambda: int(result.read()[0])
 
 
 class AsyncTrainer(Trainer):
@@ -243,11 +254,21 @@ class AsyncTrainer(Trainer):
 
     def _stage_optimizer_step(self, stage: int, indices: list[int], policy) -> None:
         """Clip one stage's gradient on its own, step and zero its optimizers, and advance their
-        learning rates by the batches the stage has now completed (streaming schedules)."""
+        learning rates by the batches the stage has now completed (streaming schedules).
+
+        The health check decides on the device when every optimizer can skip an update there
+        (`skips_on_device`), so a stage stepping inside a window never waits for the device."""
         optimizers = [self.optimizers.optimizers[i] for i in indices]
         params = [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
         stage_group = self.parallel_dims.get_mesh("batch").get_group() if self.parallel_dims.dp_enabled else None
-        if self.health.allow_update(self.step, stage, params, group=stage_group):
+        if all(skips_on_device(optimizer) for optimizer in optimizers):
+            found_inf = self.health.found_nonfinite(self.step, stage, params, group=stage_group)
+            self.stage_grad_norms[stage] = dist_utils.clip_grad_norm_(params, self.config.training.max_norm, foreach=True)
+            for optimizer in optimizers:
+                optimizer.found_inf = found_inf
+                optimizer.step()
+                del optimizer.found_inf
+        elif self.health.allow_update(self.step, stage, params, group=stage_group):
             self.stage_grad_norms[stage] = dist_utils.clip_grad_norm_(params, self.config.training.max_norm, foreach=True)
             for optimizer in optimizers:
                 optimizer.step()
@@ -273,6 +294,7 @@ class AsyncTrainer(Trainer):
             self._delayed_train_step(data_iterator)
         else:
             self._synchronous_train_step(data_iterator, lambda step_optimizer: step_optimizer())
+        self.health.end_step()
         if self.health.exhausted():
             self.stop_request.request("nonfinite")
         if self.parallel_dims.pp_enabled or self.stream is not None:
@@ -316,16 +338,19 @@ class AsyncTrainer(Trainer):
         self.delay.activate(self.step + 1)
 
     def _streaming_train_step(self, data_iterator) -> None:
-        """Feed batch `step - 1` into the stream and report the loss of the batch it completed."""
+        """Feed batch `step - 1` into the stream and report the loss of the batch it completed.
+
+        Nothing here waits for the device except, on logging steps, the read of the loss: the
+        batch is copied from pinned memory without blocking, so on a GPU the host loads the
+        next batch while the device still runs this window."""
         lr_metrics = self.lr_schedulers.get_metrics()
         batches = [next(data_iterator) for _ in range(self.num_pipeline_parallel_microbatches)]
-        valid_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
         microbatches = []
         for input_dict, labels in self._split_for_emulation(batches):
-            input_dict = {k: v.to(self.device) for k, v in input_dict.items()}
-            inputs, labels, extra_kwargs = self.post_dataloading_process(input_dict, labels.to(self.device))
+            input_dict = {k: self._to_device(v) for k, v in input_dict.items()}
+            inputs, labels, extra_kwargs = self.post_dataloading_process(input_dict, self._to_device(labels))
             microbatches.append(Microbatch(args=(inputs,), kwargs=extra_kwargs, target=labels))
-        global_valid_tokens = torch.tensor(valid_tokens, device=self.device)
+        global_valid_tokens = sum((m.target != IGNORE_INDEX).sum() for m in microbatches)
         if self.parallel_dims.dp_enabled:
             global_valid_tokens = dist_utils.dist_sum_tensor(global_valid_tokens, self.parallel_dims.get_mesh("batch"))
         loss_kwargs = {"global_valid_tokens": global_valid_tokens}
@@ -340,11 +365,27 @@ class AsyncTrainer(Trainer):
         if bubble is not None:
             extra["pipeline/bubble"] = bubble
         if self.metrics_processor.should_log(self.step):
-            loss = float(torch.stack(losses).sum()) if losses else -1.0
-            if losses and self.parallel_dims.dp_enabled:
-                loss = dist_utils.dist_sum(torch.tensor(loss, device=self.device), self.parallel_dims.get_optional_mesh("loss"))
-            grad_norm = float(self.stage_grad_norms[max(self.stage_grad_norms)]) if self.stage_grad_norms else 0.0
+            loss, grad_norm = self._loss_and_grad_norm(losses)
             self.metrics_processor.log(self.step, loss, loss, grad_norm, extra_metrics=extra)
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` on the training device; to a GPU through pinned memory, without a host sync."""
+        if self.device.type != "cuda":
+            return tensor.to(self.device)
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _loss_and_grad_norm(self, losses: list[torch.Tensor]) -> tuple[float, float]:
+        """The step's loss summed over the data ranks (-1 on stages without a loss) and the
+        last local stage's gradient norm, read from the device in one transfer."""
+        if losses:
+            loss = torch.stack(losses).sum()
+            if self.parallel_dims.dp_enabled:
+                loss = dist_utils.dist_sum_tensor(loss, self.parallel_dims.get_optional_mesh("loss"))
+        else:
+            loss = torch.full((), -1.0, device=self.device)
+        norm = self.stage_grad_norms[max(self.stage_grad_norms)] if self.stage_grad_norms else torch.zeros((), device=self.device)
+        loss, grad_norm = torch.stack([loss.float().reshape(()), norm.float().reshape(()).to(loss.device)]).tolist()
+        return loss, grad_norm
 
     def _split_for_emulation(self, batches: list) -> list:
         """The emulation loads whole batches (no PP): cut each into its pipeline microbatches."""
@@ -360,6 +401,9 @@ class AsyncTrainer(Trainer):
     def _drain(self) -> None:
         """Empty the stream; with two versions, expose the latest (W[step]) for saving and validation."""
         self.stream.drain()
+        self.health.settle()
+        if self.timeline:
+            self.timeline.restart()
         for executor in self.stream.executors:
             if isinstance(executor.policy, OneStepDelay):
                 executor.policy.activate(self.step + 1)
@@ -382,9 +426,10 @@ class AsyncTrainer(Trainer):
         """This rank's pipeline scalars for the step (end time, step time, peak memory; with a
         streaming schedule the bubble, the staleness of the applied gradient and the memory of
         weight versions beyond the live weights (shards, and gathered under FSDP); with FSDP the
-        bytes all-gathered and reduce-scattered; the error-feedback correction norm): appended
-        to <run-dir>/pipeline/rank<R>.jsonl and written to TensorBoard under tb/pipeline/rank<R>,
-        since metrics.jsonl only holds the reporting rank's view."""
+        bytes all-gathered and reduce-scattered; on logging steps, which read the device anyway,
+        the error-feedback correction norm): appended to <run-dir>/pipeline/rank<R>.jsonl and
+        written to TensorBoard under tb/pipeline/rank<R>, since metrics.jsonl only holds the
+        reporting rank's view."""
         now, rank = time.time(), dist.get_rank()
         record = {
             "step": self.step,
@@ -401,7 +446,7 @@ class AsyncTrainer(Trainer):
         if self.fsdp_traffic is not None:
             record.update(self.fsdp_traffic.take())
         correction = getattr(self.optimizers, "error_feedback_norm", lambda: None)()
-        if correction is not None:
+        if correction is not None and self.metrics_processor.should_log(self.step):
             record["ef_correction_norm"] = float(correction)
         folder = Path(self.config.dump_folder) / "pipeline"
         folder.mkdir(exist_ok=True)
