@@ -76,7 +76,6 @@ def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism, da
             "for the single-process emulation"
         )
     unsupported = {
-        "parallelism.data_parallel_replicate_degree > 1 (DDP/HSDP inside stages; FSDP via data_parallel_shard_degree works)": parallelism.data_parallel_replicate_degree > 1,
         "parallelism.tensor_parallel_degree > 1": parallelism.tensor_parallel_degree > 1,
         "parallelism.context_parallel_degree > 1": parallelism.context_parallel_degree > 1,
         "parallelism.pipeline_parallel_layers_per_stage (several stages per rank)": parallelism.pipeline_parallel_layers_per_stage is not None,
