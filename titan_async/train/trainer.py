@@ -191,6 +191,7 @@ class AsyncTrainer(Trainer):
             every_optimizer = list(range(len(self.optimizers.optimizers)))
             self.stream = schedule.attach(
                 optimizer_step=lambda: self._stage_optimizer_step(stage, every_optimizer, schedule.policy),
+                microbatches=self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches,
                 accumulation=config.parallelism.paci.accumulation,
                 keep_trace=config.metrics.pipeline_trace,
             )
@@ -215,7 +216,7 @@ class AsyncTrainer(Trainer):
         self.metrics_processor.optimizers = self.optimizers
         if self.checkpointer.enable:
             self.checkpointer.states.update({OPTIMIZER: self.optimizers, LR_SCHEDULER: self.lr_schedulers})
-        m = microbatches(config.training, config.parallelism)
+        m = self.gradient_accumulation_steps * microbatches(config.training, config.parallelism)
         mailbox: dict = {}
         policies, executors, steps = {}, [], {}
         for stage, view in enumerate(views):
@@ -318,7 +319,7 @@ class AsyncTrainer(Trainer):
     def _streaming_train_step(self, data_iterator) -> None:
         """Feed batch `step - 1` into the stream and report the loss of the batch it completed."""
         lr_metrics = self.lr_schedulers.get_metrics()
-        batches = [next(data_iterator) for _ in range(self.num_pipeline_parallel_microbatches)]
+        batches = [next(data_iterator) for _ in range(self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches)]
         valid_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
         microbatches = []
         for input_dict, labels in self._split_for_emulation(batches):
