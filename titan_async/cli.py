@@ -117,7 +117,6 @@ def _config_path(name: str | None) -> Path:
 
 
 def _train(args) -> int:
-    from titan_async.config.assemble import trainer_config
     from titan_async.config.run_config import load_run_config, render_toml
     from titan_async.run import directory as runs, process
     from titan_async.run.overwrite import claim
@@ -130,6 +129,8 @@ def _train(args) -> int:
     directory = args.run_dir or runs.new_run_dir(path.stem, process.job_id())
     if process.restart_count():  # torchrun restarted this worker: the run continues from its checkpoint
         return _launch(directory, nproc, args.verbose, run, args.max_restarts)
+    from titan_async.config.assemble import trainer_config  # after the config checks: it imports the data and trainer stack
+
     trainer_config(run, directory, process.world_size(nproc))  # every check of the new run, before the directory is touched
     with _coordinator_lock(directory):
         if process.is_coordinator():

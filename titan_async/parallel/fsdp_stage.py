@@ -18,6 +18,14 @@ plain modules, so a torch upgrade that changes it fails there. Without `hold_gat
 single-process emulation, `gradient_delay`) FSDP reshards and reduces as configured, and the
 policies only check `gathered` before they rely on gathered weights.
 
+Replicas (DDP, HSDP). torchtitan shards a stage over a (replicate, shard) mesh; FSDP2 then
+all-reduces the reduce-scattered shard across the replicas inside the same `finalize_backward`.
+A held stage reduces only in `reduce()`, once per update, so its gradient crosses the replicas
+once per update and its replicas step together at the stage's own time. What torch refuses under
+manual finalization, an all-reduce delayed past earlier reduce-scatters
+(`set_requires_all_reduce(False)` for some backwards), is never needed: a held stage does not
+reduce-scatter between updates at all.
+
 Write fence (CUDA). FSDP2 copies shards into its all-gather buffer on its own streams,
 which wait for the compute stream only in the root pre-forward
 (torch/distributed/fsdp/_fully_shard/_fsdp_state.py, `_root_pre_forward`:

@@ -1,11 +1,15 @@
-"""Bytes FSDP2 all-gathers and reduce-scatters on this rank, counted where FSDP issues them.
+"""Bytes FSDP2 all-gathers, reduce-scatters and all-reduces across replicas on this rank,
+counted where FSDP issues them.
 
 `FSDPModule.set_custom_all_gather` and `set_custom_reduce_scatter` (torch's extension points
 for FSDP2's collectives) take every collective a unit issues; `count_fsdp_traffic` wraps the
 unit's own ones (torch's defaults unless configured otherwise) with a byte count. An
 all-gather counts its unsharded output, a reduce-scatter its unsharded input: the bytes of
 the parameters gathered and of the gradients reduced, per rank. Units of a one-rank FSDP
-group issue no collective and count nothing.
+group issue no collective and count nothing. With replicas (DDP or HSDP) FSDP all-reduces
+the reduced gradient shard across them; torch has no custom all-reduce, so its bytes are
+counted by an all-reduce hook (`set_all_reduce_hook`, which runs right after it and adds no
+collective).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
 
 from titan_async.parallel.fsdp_stage import FsdpStage
 
@@ -24,12 +29,20 @@ class FsdpTraffic:
 
     all_gather: int = 0
     reduce_scatter: int = 0
-    taken: tuple[int, int] = (0, 0)
+    all_reduce: int = 0
+    taken: tuple[int, int, int] = (0, 0, 0)
 
     def take(self) -> dict[str, int]:
         """Bytes moved since the previous call."""
-        (gathered, reduced), self.taken = self.taken, (self.all_gather, self.reduce_scatter)
-        return {"fsdp_all_gather_bytes": self.all_gather - gathered, "fsdp_reduce_scatter_bytes": self.reduce_scatter - reduced}
+        (gathered, reduced, all_reduced), self.taken = self.taken, (self.all_gather, self.reduce_scatter, self.all_reduce)
+        return {
+            "fsdp_all_gather_bytes": self.all_gather - gathered,
+            "fsdp_reduce_scatter_bytes": self.reduce_scatter - reduced,
+            "replica_all_reduce_bytes": self.all_reduce - all_reduced,
+        }
+
+    def count_all_reduce(self, reduced: torch.Tensor) -> None:
+        self.all_reduce += _nbytes(reduced)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -72,4 +85,6 @@ def count_fsdp_traffic(modules: list[torch.nn.Module]) -> FsdpTraffic | None:
                 group = state._fsdp_param_groups[0]
                 unit.set_custom_all_gather(_CountedAllGather(group._all_gather_comm, traffic))
                 unit.set_custom_reduce_scatter(_CountedReduceScatter(group._reduce_scatter_comm, traffic))
+                if isinstance(group.mesh_info, DDPMeshInfo) and group.mesh_info.replicate_mesh_size > 1:
+                    unit.set_all_reduce_hook(traffic.count_all_reduce)
     return traffic

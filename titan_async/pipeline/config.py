@@ -52,8 +52,19 @@ def microbatches(training: TrainingConfig, parallelism: PipelineParallelism) -> 
     return training.local_batch_size // parallelism.pipeline_parallel_microbatch_size
 
 
+def accumulation_steps(training: TrainingConfig, data_parallel: int) -> int:
+    """Local batches per optimizer step (torchtitan's gradient accumulation): global batch /
+    (local batch x data-parallel degree); 1 when the global batch is left to default."""
+    if training.global_batch_size <= 0:
+        return 1
+    return max(1, training.global_batch_size // (training.local_batch_size * data_parallel))
+
+
 def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism, data_parallel: int, microbatches: int) -> str | None:
-    """Why this schedule/delay combination cannot run, naming the keys; None if it can."""
+    """Why this schedule/delay combination cannot run, naming the keys; None if it can.
+
+    A streaming schedule's batch is the global batch: with gradient accumulation, one window
+    holds the microbatches of every accumulated local batch."""
     name = parallelism.pipeline_parallel_schedule
     key = f"parallelism.pipeline_parallel_schedule = {name!r}"
     if name.lower() not in {n.lower() for n in SCHEDULE_NAMES}:
@@ -76,27 +87,21 @@ def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism, da
             "for the single-process emulation"
         )
     unsupported = {
-        "parallelism.data_parallel_replicate_degree > 1 (DDP/HSDP inside stages; FSDP via data_parallel_shard_degree works)": parallelism.data_parallel_replicate_degree > 1,
         "parallelism.tensor_parallel_degree > 1": parallelism.tensor_parallel_degree > 1,
         "parallelism.context_parallel_degree > 1": parallelism.context_parallel_degree > 1,
         "parallelism.pipeline_parallel_layers_per_stage (several stages per rank)": parallelism.pipeline_parallel_layers_per_stage is not None,
         "parallelism.pipeline_parallel_schedule_csv": bool(parallelism.pipeline_parallel_schedule_csv),
-        "gradient accumulation (training.global_batch_size > local_batch_size x data-parallel degree)": training.global_batch_size
-        > training.local_batch_size * data_parallel,
     }
     for feature, present in unsupported.items():
         if present:
             return f"{key} does not support {feature} yet"
-    if schedule is SchedulePipeDream2BW and microbatches < p:
-        return (
-            f"{key} needs at least as many microbatches as stages: training.local_batch_size / "
-            f"parallelism.pipeline_parallel_microbatch_size = {microbatches} < {p} stages"
-        )
-    if schedule is SchedulePACI and microbatches < p - 1:
-        return (
-            f"{key} needs at least as many microbatches as the first stage holds in flight (stages - 1): "
-            f"training.local_batch_size / parallelism.pipeline_parallel_microbatch_size = {microbatches} < {p - 1}"
-        )
+    accumulated = accumulation_steps(training, data_parallel)
+    count = (f"training.local_batch_size / parallelism.pipeline_parallel_microbatch_size"
+             f"{f' x {accumulated} accumulated local batches' if accumulated > 1 else ''} = {microbatches * accumulated}")
+    if schedule is SchedulePipeDream2BW and microbatches * accumulated < p:
+        return f"{key} needs at least as many microbatches per step as stages: {count} < {p} stages"
+    if schedule is SchedulePACI and microbatches * accumulated < p - 1:
+        return f"{key} needs at least as many microbatches per step as the first stage holds in flight (stages - 1): {count} < {p - 1}"
     return None
 
 

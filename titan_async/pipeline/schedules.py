@@ -36,17 +36,18 @@ class StreamingSchedule(PipelineScheduleSingle):
     def _step_microbatches(self, *args, **kwargs):
         raise RuntimeError(f"{type(self).__name__} is driven by titan-async's trainer (its stream), not step()")
 
-    def attach(self, *, optimizer_step: Callable[[], None], accumulation: int | None, keep_trace: bool) -> StreamEngine:
-        """This rank's stream: its stage, the weight policy, P2P transport and timeline."""
+    def attach(self, *, optimizer_step: Callable[[], None], microbatches: int, accumulation: int | None, keep_trace: bool) -> StreamEngine:
+        """This rank's stream: its stage, the weight policy, P2P transport and timeline; a window
+        holds `microbatches` (those of every local batch an optimizer step accumulates)."""
         stage = self._stage
-        self.policy = make_policy(self.name, stage.submod, self._n_microbatches, accumulation, hold_gathered=True)
+        self.policy = make_policy(self.name, stage.submod, microbatches, accumulation, hold_gathered=True)
         self.timeline = Timeline(dist.get_rank(), keep_trace, stage.device)
         groups = edge_groups(stage.group, stage.stage_index_to_group_rank, stage.device)
         self.transport = P2PTransport(groups, stage.stage_index, stage.num_stages, stage.device)
         self.executor = StageExecutor(
             stage.submod, stage.stage_index, stage.num_stages, self.transport, self.policy, self._loss_fn, self.timeline
         )
-        return StreamEngine([self.executor], stage.num_stages, self._n_microbatches, {stage.stage_index: optimizer_step})
+        return StreamEngine([self.executor], stage.num_stages, microbatches, {stage.stage_index: optimizer_step})
 
     def eval(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, **kwargs):
         """Forward-only pass for validation (the trainer drains the stream first)."""

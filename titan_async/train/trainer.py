@@ -202,6 +202,7 @@ class AsyncTrainer(Trainer):
             every_optimizer = list(range(len(self.optimizers.optimizers)))
             self.stream = schedule.attach(
                 optimizer_step=lambda: self._stage_optimizer_step(stage, every_optimizer, schedule.policy),
+                microbatches=self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches,
                 accumulation=config.parallelism.paci.accumulation,
                 keep_trace=config.metrics.pipeline_trace,
             )
@@ -226,7 +227,7 @@ class AsyncTrainer(Trainer):
         self.metrics_processor.optimizers = self.optimizers
         if self.checkpointer.enable:
             self.checkpointer.states.update({OPTIMIZER: self.optimizers, LR_SCHEDULER: self.lr_schedulers})
-        m = microbatches(config.training, config.parallelism)
+        m = self.gradient_accumulation_steps * microbatches(config.training, config.parallelism)
         mailbox: dict = {}
         policies, executors, steps = {}, [], {}
         for stage, view in enumerate(views):
@@ -344,7 +345,7 @@ class AsyncTrainer(Trainer):
         batch is copied from pinned memory without blocking, so on a GPU the host loads the
         next batch while the device still runs this window."""
         lr_metrics = self.lr_schedulers.get_metrics()
-        batches = [next(data_iterator) for _ in range(self.num_pipeline_parallel_microbatches)]
+        batches = [next(data_iterator) for _ in range(self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches)]
         microbatches = []
         for input_dict, labels in self._split_for_emulation(batches):
             input_dict = {k: self._to_device(v) for k, v in input_dict.items()}
