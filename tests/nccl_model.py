@@ -9,7 +9,8 @@ batched ones on the group's communicator; every communicator has one stream per 
   isend/irecv, (group) for a batch_isend_irecv and for collectives. An operation starts
   only when everything before it on its stream has completed.
 - Tags are ignored: on a communicator the n-th send a->b matches the n-th receive at b
-  from a; matched sizes must agree. The n-th collective of a group matches across members.
+  from a; matched sizes must agree. The n-th collective of a group matches across members
+  and must be the same operation of the same size on each (all-to-all's splits may differ).
 - Every message is large: a send or receive completes only when both sides have started
   it; a collective, when every member has started it; a batch, when all its parts have.
 - `work.wait()` orders the rank's compute stream after the work, and every operation
@@ -37,7 +38,7 @@ class Unit:
     op_id: int
     stream: tuple
     waits_before: int
-    parts: list[tuple] = field(default_factory=list)  # (kind, channel key, bytes)
+    parts: list[tuple] = field(default_factory=list)  # (kind, channel key, peer, bytes)
     partners: list[list["Unit"]] = field(default_factory=list)
     started: bool = False
     completed: bool = False
@@ -84,7 +85,7 @@ def _units(rank: int, records: list[dict], groups: dict[str, list[int]]) -> tupl
             units.append(unit)
         elif op == "coll":
             unit = Unit(rank, record["id"], (rank, record["group"], "all"), len(waits), label=f"{record['kind']}@{record['group']}")
-            unit.parts.append(("coll", (record["group"], "coll"), None, record["bytes"]))
+            unit.parts.append((f"coll:{record['kind']}", (record["group"], "coll"), None, record["bytes"]))
             units.append(unit)
     return units, waits
 
@@ -169,11 +170,27 @@ def _match(units: dict[int, list[Unit]], groups: dict[str, list[int]]) -> list[s
                 mismatches.append(f"{key}: send #{send.op_id} of {sent} bytes matched receive #{recv.op_id} of {received} bytes")
     for (channel, rank), entries in collectives.items():
         members = groups[channel[0]]
-        for n, (unit, index, _) in enumerate(entries):
+        for n, (unit, index, nbytes) in enumerate(entries):
             others = [collectives.get((channel, member), []) for member in members if member != rank]
             if all(n < len(other) for other in others):
                 unit.partners[index].extend([other[n][0] for other in others] or [unit])
+                if rank == min(members):
+                    mismatches += _collective_mismatches(unit, index, nbytes, [other[n] for other in others])
     return mismatches
+
+
+def _collective_mismatches(unit: Unit, index: int, nbytes: int, others: list) -> list[str]:
+    """The n-th collective of a group must be the same operation on every member, of the same
+    size (all-to-all's splits may differ per rank)."""
+    kind = unit.parts[index][0]
+    found = []
+    for other, other_index, other_bytes in others:
+        other_kind = other.parts[other_index][0]
+        if other_kind != kind or (other_bytes != nbytes and "all_to_all" not in kind):
+            found.append(f"group {unit.parts[index][1][0]}: rank {unit.rank}'s {kind} #{unit.op_id} of {nbytes} bytes matched "
+                         f"rank {other.rank}'s {other_kind} #{other.op_id} of {other_bytes} bytes")
+    return found
+
 
 
 def outstanding(records: list[dict]) -> dict[str, int]:

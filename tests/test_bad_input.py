@@ -244,3 +244,13 @@ def test_resume_says_what_a_schedule_switch_leaves(capsys, tmp_path):
                                                               "parallelism.emulated_stages=2", "parallelism.pipeline_parallel_microbatch_size=1"))
     assert "the checkpoints hold state for 'no weight versions (a synchronous schedule)', resume cannot switch to " \
            "'PipeDream2BW on 2 stages'" in err
+
+
+def test_a_config_error_in_train_imports_neither_the_trainer_nor_the_data_pipeline(tmp_path):
+    """The config is checked on its schema alone; the trainer and data stack come after it passes."""
+    probe = ("import sys\nfrom titan_async import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+             "print([m for m in ('titan_async.train.trainer', 'titan_async.config.assemble', 'torchtitan.trainer') if m in sys.modules],"
+             " file=sys.stderr)")
+    args = ["train", "--run-dir", str(tmp_path / "run"), "--set", "training.stepz=1"]
+    result = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=120)
+    assert "training.stepz" in result.stderr and result.stderr.strip().splitlines()[-1] == "[]", result.stderr

@@ -105,3 +105,13 @@ def test_the_former_receives_ahead_of_sends_transport_hangs_at_a_device_sync():
     assert not nccl_model.replay(logs).deadlocked
     with pytest.raises(AssertionError, match="a device-wide sync on rank 0 before its send #3 hangs"):
         nccl_model.assert_safe_under_device_syncs(logs)
+
+
+def test_members_issuing_a_groups_collectives_in_different_orders_fail():
+    """FSDP's reduce-scatter and the replica all-reduce of a stage: the n-th collective of a group
+    is matched across its members, so two members issuing them in different orders mismatch."""
+    scatter = {"op": "coll", "id": 1, "kind": "reduce_scatter_tensor", "group": "g", "bytes": 64}
+    reduce = {"op": "coll", "id": 2, "kind": "all_reduce", "group": "g", "bytes": 16}
+    assert not nccl_model.replay({0: log(scatter, reduce), 1: log(scatter, reduce)}).mismatches
+    swapped = nccl_model.replay({0: log(scatter, reduce), 1: log({**reduce, "id": 1}, {**scatter, "id": 2})})
+    assert swapped.mismatches or swapped.deadlocked

@@ -1,7 +1,8 @@
 """How long `titan-async` takes to answer commands that train nothing: --help, --version, an
-argument error and a config error, in a fresh interpreter each time, min/median/max over
-repetitions; with --baseline REV, the same commands of git revision REV (a temporary worktree),
-alternated with this checkout's in the same invocation, and the ratio of the medians.
+argument error and a config error (of `config show` and of `train`), in a fresh interpreter
+each time, min/median/max over repetitions; with --baseline REV, the same commands of git
+revision REV (a temporary worktree), alternated with this checkout's in the same invocation,
+and the ratio of the medians.
 
     python tools/bench_startup.py [--reps 5] [--baseline REV]
 """
@@ -23,6 +24,7 @@ COMMANDS = {
     "--version": ["--version"],
     "argument error": ["train", "--nproc-per-node", "0"],
     "config error": ["config", "show", "--set", "training.stepz=1"],
+    "train: config error": ["train", "--run-dir", os.path.join(tempfile.gettempdir(), "titan-async-bench-startup"), "--set", "training.stepz=1"],
 }
 
 
@@ -64,7 +66,7 @@ def main() -> None:
         if args.baseline:
             medians = [statistics.median(times[name, label]) for label in checkouts]
             cells.append(f"speed-up {medians[0] / medians[1]:.1f}x")
-        print(f"{name:15} " + "; ".join(cells))
+        print(f"{name:20} " + "; ".join(cells))
 
 
 if __name__ == "__main__":

@@ -262,17 +262,14 @@ class AsyncTrainer(Trainer):
         optimizers = [self.optimizers.optimizers[i] for i in indices]
         params = [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
         stage_group = self.parallel_dims.get_mesh("batch").get_group() if self.parallel_dims.dp_enabled else None
-        if all(skips_on_device(optimizer) for optimizer in optimizers):
-            found_inf = self.health.found_nonfinite(self.step, stage, params, group=stage_group)
+        on_device = all(skips_on_device(optimizer) for optimizer in optimizers)
+        found_inf = self.health.found_nonfinite(self.step, stage, params, group=stage_group) if on_device else None
+        if on_device or self.health.allow_update(self.step, stage, params, group=stage_group):
             self.stage_grad_norms[stage] = dist_utils.clip_grad_norm_(params, self.config.training.max_norm, foreach=True)
             for optimizer in optimizers:
                 optimizer.found_inf = found_inf
                 optimizer.step()
                 del optimizer.found_inf
-        elif self.health.allow_update(self.step, stage, params, group=stage_group):
-            self.stage_grad_norms[stage] = dist_utils.clip_grad_norm_(params, self.config.training.max_norm, foreach=True)
-            for optimizer in optimizers:
-                optimizer.step()
         for optimizer in optimizers:
             optimizer.zero_grad()
         for i in indices:
