@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 
 import nccl_model
-from conftest import CONFIGS, cli_in_process, losses, sets
+from conftest import CONFIGS, cli_in_process, losses, run_cli, sets
 from test_fsdp_schedules import train
-from test_schedules import assert_close_weights, assert_same_run, final_weights
+from test_schedules import STEPS, assert_close_weights, assert_same_run, final_weights
 
 FSDP2 = ("--config", str(CONFIGS / "debug_cpu_fsdp2.toml"), "--nproc-per-node", "2")
 PP2_REPLICAS2 = ("--config", str(CONFIGS / "debug_cpu_pp2_fsdp2.toml"), "--nproc-per-node", "4")
@@ -77,3 +77,14 @@ def test_accumulating_two_local_batches_equals_one_pass_of_twice_the_local_batch
     single = train(tmp_path / "single", *common, "training.local_batch_size=4", layout=pp2)
     assert losses(accumulated) == pytest.approx(losses(single), rel=1e-6)
     assert_close_weights(final_weights(accumulated), final_weights(single))
+
+
+def test_2bw_with_replicas_and_accumulation_resumes_exactly(tmp_path):
+    """PP 2 x replicas 2, two local batches accumulated per step: a run stopped at a checkpoint and
+    resumed equals the uninterrupted one (data position, both weight versions, optimizer state)."""
+    common = ("parallelism.pipeline_parallel_schedule=PipeDream2BW", *REPLICAS, "training.local_batch_size=2",
+              "training.global_batch_size=8", "parallelism.pipeline_parallel_microbatch_size=1")
+    full = train(tmp_path / "full", *common, layout=PP2_REPLICAS2)
+    split = train(tmp_path / "split", *common, "training.steps=3", layout=PP2_REPLICAS2)
+    run_cli("resume", "--run-dir", str(split), *sets(f"training.steps={STEPS}"))
+    assert_same_run(full, split, rel=1e-6)
