@@ -83,6 +83,7 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True) -> dict[str, A
             "microbatches": layout.microbatches,
             "accumulation_steps": layout.accumulation_steps,
             "window": layout.window,
+            "windows_per_step": layout.windows_per_step,
             "microbatch_tokens": setup.tokens,
             "tokens_per_step": t.local_batch_size * t.seq_len * run.data_parallel_degree(cluster.world_size) * layout.accumulation_steps,
             "fsdp_applied": layout.fsdp_applied,

@@ -23,6 +23,7 @@ from titan_async.commands.plan.memory import (
     parse_size,
     rank_memory,
     window_microbatches,
+    windows_per_step,
 )
 from titan_async.config.assemble import plain_parameters, tokenizer_vocab_size
 from titan_async.config.run_config import RunConfig
@@ -90,8 +91,13 @@ class Layout:
 
     @property
     def window(self) -> int:
-        """Microbatches between two flushes of this config's schedule (`memory.window_microbatches`)."""
+        """Microbatches of one flush or window of this config's schedule (`memory.window_microbatches`)."""
         return window_microbatches(self.schedule, self.microbatches, self.accumulation_steps)
+
+    @property
+    def windows_per_step(self) -> int:
+        """Flushes or windows of this config's schedule per optimizer step (`memory.windows_per_step`)."""
+        return windows_per_step(self.schedule, self.accumulation_steps)
 
 
 def check_world_size(run: RunConfig, cluster: Cluster) -> None:

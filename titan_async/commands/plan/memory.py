@@ -406,15 +406,13 @@ def rank_memory(stages: list[StageShape], held: list[float], setup: Setup, sched
 
 def reductions_per_step(schedule: str, microbatches: int, accumulation_steps: int = 1, accumulation: int | None = None) -> float:
     """Gradient reductions per optimizer step on a pipeline stage, with m microbatches per local
-    batch and K = `accumulation_steps` local batches per step: torch's schedules reduce once per
-    flush and flush once per local batch, K (torchtitan's `train_step` runs one
-    `pp_schedule.step()` per accumulated local batch, each finalizing FSDP); PipeDream2BW once
-    per step; PACI once per local step of a = `accumulation` backwards, K m / a (a unset: K m)."""
-    name = schedule.lower()
-    if name == "paci":
+    batch and K = `accumulation_steps` local batches per step: torch's schedules finalize FSDP at
+    the end of each flush, K per step (`windows_per_step`); PipeDream2BW reduces once per step;
+    PACI once per local step of a = `accumulation` backwards, K m / a (a unset: K m)."""
+    if schedule.lower() == "paci":
         window = window_microbatches(schedule, microbatches, accumulation_steps)
         return window / (accumulation or window)
-    return 1 if name in STREAMING_SCHEDULES else accumulation_steps
+    return windows_per_step(schedule, accumulation_steps)
 
 
 def fsdp_traffic_bytes(schedule: str, stages: list[StageShape], setup: Setup, microbatches: int,
@@ -454,11 +452,17 @@ def bubble(schedule: str, stages: int, microbatches: int) -> float:
     return (stages - 1) / (chunks * microbatches + stages - 1)
 
 
+def windows_per_step(schedule: str, accumulation_steps: int = 1) -> int:
+    """Flushes of a synchronous schedule per optimizer step, one per accumulated local batch, K
+    (torchtitan's `train_step` runs `pp_schedule.step()` once per local batch); 1 for a
+    streaming schedule, whose step is one window of the stream."""
+    return 1 if schedule.lower() in STREAMING_SCHEDULES else accumulation_steps
+
+
 def window_microbatches(schedule: str, microbatches: int, accumulation_steps: int = 1) -> int:
-    """Microbatches a schedule runs between two flushes with K = `accumulation_steps` local batches
-    of m microbatches per step: a streaming step's whole window, K m; one of a synchronous step's
-    K flushes, m."""
-    return microbatches * accumulation_steps if schedule.lower() in STREAMING_SCHEDULES else microbatches
+    """Microbatches of one flush or window: K m / `windows_per_step`, so a streaming window holds
+    the K m microbatches of the step and a synchronous flush the m of one local batch."""
+    return microbatches * accumulation_steps // windows_per_step(schedule, accumulation_steps)
 
 
 def compare_schedules(stages: int, microbatches: int, accumulation_steps: int = 1) -> list[dict[str, float | str]]:

@@ -189,10 +189,9 @@ def print_plan(plan: dict[str, Any], as_json: bool) -> None:
         print("\n".join(_header(plan)))
         for table in tables:
             print("\n" + _plain(table))
-    layout = plan["layout"]
-    flushes = layout["accumulation_steps"] if layout["window"] == layout["microbatches"] else 1  # synchronous
+    flushes = plan["layout"]["windows_per_step"]
     for rank in plan["dry_run"]["ranks"]:
         if rank["actions"]:
             more = " ..." if len(rank["actions"]) > 16 else ""
-            repeated = f" x {flushes} flushes per step" if flushes > 1 else ""
+            repeated = f", {flushes} flushes per step" if flushes > 1 else ""
             print(f"rank {rank['rank']} actions ({len(rank['actions'])}{repeated}): {' '.join(rank['actions'][:16])}{more}")
