@@ -229,7 +229,7 @@ def test_tied_weights_are_counted_once_as_training_ties_them(capsys):
 def test_text_output_has_the_memory_schedule_communication_and_dry_run_tables(capsys):
     code, out, err = plan(capsys, "--config", "debug_cpu_pp2_2bw", "--gpus-per-node", "4", *sets("parallelism.data_parallel_shard_degree=2"))
     assert code == 0 and not err
-    for text in ("Memory per GPU", "Schedules (p = 2 stages, m = 4 microbatches", "FSDP communication per step", "Dry run",
+    for text in ("Memory per GPU", "Schedules (p = 2 stages, m = 4 microbatches", "FSDP and replica communication per step", "Dry run",
                  "estimates only", "rank 2 actions"):
         assert text in out
 
