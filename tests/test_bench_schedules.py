@@ -76,10 +76,34 @@ def test_benchmark_with_fsdp_prints_each_ranks_fsdp_traffic_against_1f1b(tmp_pat
     assert result.returncode == 0, result.stderr[-3000:]
     with open(tmp_path / "bench_schedules_p2_m2_fsdp2.csv") as f:
         table = {row["schedule"]: row for row in csv.DictReader(f)}
-    traffic = {s: [float(x) for x in row["FSDP MiB/step per rank"].split()] for s, row in table.items()}
+    traffic = {s: [float(x) for x in row["collective MiB/step per rank"].split()] for s, row in table.items()}
     assert len(traffic["1F1B"]) == 4 and all(x > 0 for x in traffic["1F1B"])
     for schedule, row in table.items():
         worst = max(mine / base for mine, base in zip(traffic[schedule], traffic["1F1B"]))
-        assert float(row["FSDP vs 1F1B (worst rank)"]) == pytest.approx(worst, abs=2e-3)
+        assert float(row["collective vs 1F1B (worst rank)"]) == pytest.approx(worst, abs=2e-3)
+        assert row["replica all-reduce MiB/step per rank"].split() == ["0"] * 4
     # a streaming stage gathers once per weight version and reduces once per update
-    assert float(table["PipeDream2BW"]["FSDP vs 1F1B (worst rank)"]) <= 1.3
+    assert float(table["PipeDream2BW"]["collective vs 1F1B (worst rank)"]) <= 1.3
+    assert "largest per-rank collective bytes vs 1F1B: PipeDream2BW" in result.stdout
+
+
+def test_benchmark_with_replicas_and_accumulation_counts_each_ranks_all_reduce(tmp_path):
+    """DDP (2 replicas per stage) accumulating 2 local batches: each rank all-reduces its float32 stage
+    gradient, as many bytes as the stage's weights, once per step under 2BW and once per flush, twice,
+    under 1F1B."""
+    command = [sys.executable, "tools/bench_schedules.py", "--stages", "2", "--replicas", "2", "--accumulate", "2",
+               "--microbatches", "2", "--microbatch-size", "1", "--seq-len", "32", "--dim", "64", "--layers", "3",
+               "--steps", "4", "--warmup", "1", "--reps", "1", "--schedules", "1F1B,PipeDream2BW", "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900, env=fresh_environment())
+    assert result.returncode == 0, result.stderr[-3000:]
+    weights = next(line for line in result.stdout.splitlines() if line.startswith("stage shard MiB per pipeline rank: "))
+    stage_mib = [float(x) for x in weights.split(": ")[1].split()]
+    with open(tmp_path / "bench_schedules_p2_m2_replicas2_accumulate2.csv") as f:
+        table = {row["schedule"]: row for row in csv.DictReader(f)}
+    all_reduce = {s: [float(x) for x in row["replica all-reduce MiB/step per rank"].split()] for s, row in table.items()}
+    assert all_reduce["PipeDream2BW"] == pytest.approx([stage_mib[rank // 2] for rank in range(4)], abs=0.006)
+    assert all_reduce["1F1B"] == pytest.approx([2 * x for x in all_reduce["PipeDream2BW"]], rel=1e-3)
+    for row in table.values():  # one GPU per FSDP group: nothing to gather or reduce-scatter
+        assert row["collective MiB/step per rank"] == row["replica all-reduce MiB/step per rank"]
+    assert float(table["PipeDream2BW"]["collective vs 1F1B (worst rank)"]) == pytest.approx(0.5, abs=2e-3)
+    assert "PipeDream2BW 0.500x (within the accepted 1.1x)" in result.stdout

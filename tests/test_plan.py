@@ -18,9 +18,11 @@ from titan_async.model.meta import build_meta_model
 from titan_async.commands.plan.memory import (
     MuonMatrix,
     Setup,
+    StageShape,
     block_activation_bytes,
     bubble,
     compare_schedules,
+    fsdp_traffic_bytes,
     held_microbatches,
     muon_step_bytes,
     parse_size,
@@ -36,16 +38,19 @@ _SPEC.loader.exec_module(bench_memory)
 pytestmark = pytest.mark.filterwarnings("ignore:DTensor random operators")  # initializing meta DTensors
 SHIPPED = sorted(CONFIGS.glob("*.toml"))
 TEN_B = CONFIGS / "10b_2bw_muon.toml"
+TEN_B_512 = CONFIGS / "10b_2bw_muon_512gpu.toml"
 _PLANS: dict[str, dict] = {}
 
 
 def cluster_of(path: Path) -> tuple[int, int]:
-    """(nodes, GPUs per node) a shipped config is written for."""
+    """(nodes, GPUs per node) a shipped config is written for: the 10B ones on nodes of 8 GPUs, one
+    FSDP group per node (a node per stage and replica), the 1B on one node, the debug ones on one
+    GPU per process."""
+    p = load_run_config(path).parallelism
     if path.stem.startswith("10b_"):
-        return 8, 8
+        return p.pipeline_parallel_degree * p.data_parallel_replicate_degree, 8
     if path.stem.startswith("1b_"):
         return 1, 8
-    p = load_run_config(path).parallelism
     gpus = p.pipeline_parallel_degree * p.tensor_parallel_degree * p.context_parallel_degree
     return 1, gpus * p.data_parallel_replicate_degree * max(1, p.data_parallel_shard_degree)
 
@@ -55,10 +60,12 @@ def plan(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def plan_json(capsys, path: Path) -> dict:
-    """The --json plan of a shipped config on its cluster with 80 GiB GPUs (computed once)."""
+    """The --json plan of a shipped config on its cluster with 80 GiB GPUs, which it must fit
+    (--strict; computed once)."""
     if path.stem not in _PLANS:
         nodes, gpus = cluster_of(path)
-        code, out, err = plan(capsys, "--config", str(path), "--nodes", str(nodes), "--gpus-per-node", str(gpus), "--json")
+        code, out, err = plan(capsys, "--config", str(path), "--nodes", str(nodes), "--gpus-per-node", str(gpus),
+                              "--gpu-memory", "80GiB", "--strict", "--json")
         assert code == 0, err
         _PLANS[path.stem] = json.loads(out)
     return _PLANS[path.stem]
@@ -119,8 +126,82 @@ def test_ten_b_plan_predicts_fsdp_communication_per_step_for_every_schedule(caps
     for row in rows.values():
         assert len(row["ranks"]) == 8
         for rank, moved in zip(result["ranks"], row["ranks"]):
-            assert moved == {"all_gather": 2 * rank["parameters"], "reduce_scatter": 4 * rank["parameters"]}
+            assert moved == {"all_gather": 2 * rank["parameters"], "reduce_scatter": 4 * rank["parameters"], "all_reduce": 0}
     assert rows["PipeDream2BW"]["selected"]
+
+
+def test_ten_b_on_512_gpus_fits_strictly_with_replicas_holding_the_fsdp_groups_shards(capsys):
+    """PP 8 x FSDP 8 x replicas 8: each GPU holds a stage's FSDP shard, as at 64 GPUs, and the first
+    GPU of every pipeline rank and the last GPU (last replica) build their stage and action list."""
+    result, alone = plan_json(capsys, TEN_B_512), plan_json(capsys, TEN_B)
+    assert result["world_size"] == 512 and result["fits"] and result["peak_bytes"] <= 80 * 2**30
+    layout = result["layout"]
+    assert (layout["pipeline_parallel"], layout["data_parallel_shard"], layout["data_parallel_replicate"]) == (8, 8, 8)
+    assert [r["memory"] for r in result["ranks"]] == [r["memory"] for r in alone["ranks"]]
+    inspected = {r["rank"]: r for r in result["dry_run"]["ranks"]}
+    assert sorted(inspected) == [64 * k for k in range(8)] + [511]
+    m = layout["microbatches"]
+    for rank in inspected.values():
+        stage = rank["pp_rank"]
+        warmup = 8 - stage  # forwards before the first backward
+        assert rank["fsdp_wrapped"] and rank["ratio"] == pytest.approx(1, abs=0.01)
+        assert rank["local_parameters"] == pytest.approx(result["ranks"][stage]["parameters"] / 8, rel=0.01)
+        assert rank["actions"][:warmup + 1] == [f"{stage}F{k}" for k in range(warmup)] + [f"{stage}B0"]
+        assert rank["action_counts"] == {"F": 2 * m, "B": 2 * m}
+    assert inspected[511]["local_parameters"] == inspected[448]["local_parameters"]
+
+
+def test_ten_b_on_512_gpus_adds_the_replica_all_reduce_of_the_reduced_shard(capsys):
+    """One all-reduce of the float32 gradient shard (stage parameters / 8 x 4 bytes) per step, for
+    every schedule: the tensor bytes all-reduced, as the runtime counts them."""
+    result = plan_json(capsys, TEN_B_512)
+    for row in result["communication"]:
+        for rank, moved in zip(result["ranks"], row["ranks"]):
+            assert moved == {"all_gather": 2 * rank["parameters"], "reduce_scatter": 4 * rank["parameters"],
+                             "all_reduce": pytest.approx(rank["parameters"] / 8 * 4)}
+
+
+def test_hsdp_with_accumulation_streams_k_x_m_microbatches_and_flushes_torch_schedules_k_times(capsys):
+    """PP 2 x FSDP 2 x replicas 2 with K = 2 local batches of m = 4 per step: a rank's memory is its
+    FSDP group's, 2BW's window holds 8 microbatches and its action list two such windows, and
+    1F1B reduces twice per step where 2BW reduces once."""
+    common = ("--config", "debug_cpu_pp2_2bw", *sets("parallelism.data_parallel_shard_degree=2"), "--json")
+    code, out, err = plan(capsys, *common, "--gpus-per-node", "8", *sets("parallelism.data_parallel_replicate_degree=2",
+                                                                          "training.global_batch_size=64"))
+    assert code == 0, err
+    result = json.loads(out)
+    _, out, _ = plan(capsys, *common, "--gpus-per-node", "4")
+    alone = json.loads(out)
+    layout = result["layout"]
+    assert (layout["accumulation_steps"], layout["window"], layout["windows_per_step"]) == (2, 8, 1)
+    assert layout["tokens_per_step"] == 2 * alone["layout"]["tokens_per_step"] * 2
+    assert [r["memory"] for r in result["ranks"]] == [r["memory"] for r in alone["ranks"]]
+    inspected = {r["rank"]: r for r in result["dry_run"]["ranks"]}
+    assert sorted(inspected) == [0, 4, 7]
+    assert inspected[7]["allocated"] == inspected[4]["allocated"] == alone["dry_run"]["ranks"][1]["allocated"]
+    for rank in inspected.values():
+        assert rank["action_counts"] == {"F": 16, "B": 16} and rank["ratio"] == pytest.approx(1, abs=0.01)
+    windows = {s["name"]: s["window"] for s in result["schedules"]}
+    assert windows == {"GPipe": 4, "1F1B": 4, "Interleaved1F1B": 4, "PipeDream2BW": 8, "PACI": 8}
+    rows = {row["name"]: row["ranks"] for row in result["communication"]}
+    for rank, once, flushed in zip(result["ranks"], rows["PipeDream2BW"], rows["1F1B"]):
+        params = rank["parameters"]
+        assert once == {"all_gather": 4 * params, "reduce_scatter": 4 * params, "all_reduce": 4 * params / 2}
+        assert flushed == {key: 2 * value for key, value in once.items()}
+
+
+def test_fsdp_traffic_formula_with_replicas_and_accumulation():
+    """n reductions per step (K for torch's schedules, 1 for 2BW, K m / a for PACI), each an
+    all-gather (P c), a reduce-scatter (P g) and an all-reduce of the shard (P / f g)."""
+    stage = StageShape(index=0, modules=(), params=1000, matrix_params=0, layers=1, largest_unit=1000, last=False)
+    hsdp = _setup(fsdp=True, fsdp_degree=2, replicas=2, compute_bytes=2, reduce_bytes=4)
+    once = {"all_gather": 2000, "reduce_scatter": 4000, "all_reduce": 2000}
+    for schedule, accumulation, n in (("1F1B", None, 3), ("GPipe", None, 3), ("PipeDream2BW", None, 1),
+                                      ("PACI", None, 1), ("PACI", 4, 3)):
+        moved = fsdp_traffic_bytes(schedule, [stage], hsdp, microbatches=4, accumulation_steps=3, accumulation=accumulation)
+        assert moved == {key: n * value for key, value in once.items()}, schedule
+    ddp = _setup(fsdp=True, fsdp_degree=1, replicas=2, compute_bytes=2, reduce_bytes=4)
+    assert fsdp_traffic_bytes("PipeDream2BW", [stage], ddp, 4) == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 4000}
 
 
 def test_ten_b_streaming_schedules_have_no_bubble_and_beat_1f1b(capsys):
@@ -148,7 +229,7 @@ def test_tied_weights_are_counted_once_as_training_ties_them(capsys):
 def test_text_output_has_the_memory_schedule_communication_and_dry_run_tables(capsys):
     code, out, err = plan(capsys, "--config", "debug_cpu_pp2_2bw", "--gpus-per-node", "4", *sets("parallelism.data_parallel_shard_degree=2"))
     assert code == 0 and not err
-    for text in ("Memory per GPU", "Schedules (p = 2 stages, m = 4 microbatches", "FSDP communication per step", "Dry run",
+    for text in ("Memory per GPU", "Schedules (p = 2 stages, m = 4 microbatches", "FSDP and replica communication per step", "Dry run",
                  "estimates only", "rank 2 actions"):
         assert text in out
 

@@ -15,9 +15,14 @@ action; for GPipe, 1F1B and Interleaved1F1B their formula's prediction in bracke
 memory (RSS) per rank and its difference to 1F1B's, and the weight copies the
 streaming schedules hold beyond the live weights, next to each rank's stage
 weights from `titan-async plan`. With `--fsdp N` every stage is sharded over N
-ranks (PP x FSDP2 on stages x N processes) and the table adds the bytes FSDP
-all-gathers and reduce-scatters per step on each rank (counted from the collectives
-it issues; median over the measured steps) and the largest per-rank ratio to 1F1B's.
+ranks, with `--replicas R` each stage's FSDP group is replicated R times (DDP, or
+HSDP with `--fsdp`; stages x N x R processes), and `--accumulate K` makes a step
+accumulate K local batches (torchtitan's gradient accumulation: a streaming window
+of K x m microbatches, K flushes of m for torch's schedules). With FSDP or replicas
+the table adds the collective bytes per step on each rank, all-gather +
+reduce-scatter + replica all-reduce (the tensor bytes each takes, counted from the
+collectives FSDP issues; median over the measured steps), the replica all-reduce
+bytes alone, and the largest per-rank ratio to 1F1B's.
 
 The default model has balanced stages, so that idle time is the schedule's and not
 the layer split's: at dim 128 with the 2048-token vocabulary the output head costs
@@ -42,6 +47,10 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "train_configs" / "debug_cpu_pp2.toml"
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "PipeDream2BW", "PACI"]
 STREAMING = {"PipeDream2BW", "PACI"}
+COLLECTIVES = ("fsdp_all_gather_bytes", "fsdp_reduce_scatter_bytes", "replica_all_reduce_bytes")
+"""The per-step byte counts each rank logs (titan_async.parallel.fsdp_traffic)."""
+ACCEPTED_RATIO = 1.1
+"""The accepted bound: a streaming schedule moves at most this times 1F1B's collective bytes on every rank."""
 
 
 def settings(schedule: str, args) -> list[str]:
@@ -49,6 +58,8 @@ def settings(schedule: str, args) -> list[str]:
     return [
         f"parallelism.pipeline_parallel_degree={args.stages}",
         f"parallelism.data_parallel_shard_degree={args.fsdp}",
+        f"parallelism.data_parallel_replicate_degree={args.replicas}",
+        f"training.global_batch_size={args.microbatch_size * args.microbatches * args.fsdp * args.replicas * args.accumulate}",
         f"parallelism.pipeline_parallel_schedule={schedule}",
         f"parallelism.pipeline_parallel_microbatch_size={args.microbatch_size}",
         f"training.local_batch_size={args.microbatch_size * args.microbatches}",
@@ -64,6 +75,16 @@ def settings(schedule: str, args) -> list[str]:
     ]
 
 
+def processes(args) -> int:
+    """Ranks of one run: stages x FSDP x replicas."""
+    return args.stages * args.fsdp * args.replicas
+
+
+def data_parallel(args) -> bool:
+    """Whether the runs issue FSDP or replica collectives."""
+    return args.fsdp > 1 or args.replicas > 1
+
+
 def titan_async(command: str, schedule: str, args, *extra: str) -> subprocess.CompletedProcess:
     """`titan-async COMMAND` on the benchmark's model and `schedule`."""
     argv = [sys.executable, "-m", "titan_async.cli", command, "--config", str(CONFIG), *extra]
@@ -74,7 +95,7 @@ def titan_async(command: str, schedule: str, args, *extra: str) -> subprocess.Co
 
 def stage_weights_mib(args) -> dict[int, float]:
     """Parameter MiB of each pipeline rank's stages, from `titan-async plan`."""
-    plan = json.loads(titan_async("plan", "1F1B", args, "--gpus-per-node", str(args.stages * args.fsdp), "--json").stdout)
+    plan = json.loads(titan_async("plan", "1F1B", args, "--gpus-per-node", str(processes(args)), "--json").stdout)
     return {row["pp_rank"]: row["memory"]["weights"] / 2**20 for row in plan["ranks"]}
 
 
@@ -89,33 +110,41 @@ def ideal_step_time(trace: Path, microbatches: int) -> float:
     return max(microbatches * (median(d["F"]) + median(d["B"])) + median(d["O"]) for d in durations.values())
 
 
+def median_mib(rows: dict[int, dict], steps: range, *keys: str) -> float:
+    """Median over `steps` of the sum of a rank's logged byte counts `keys`, in MiB."""
+    return statistics.median(sum(rows[s].get(key, 0) for key in keys) for s in steps) / 2**20
+
+
 def run(schedule: str, args, run_dir: Path) -> dict:
-    """Train once; returns tokens/s, per-rank bubble, memory and FSDP traffic over the measured
-    steps, and the ideal tokens/s of a traced (streaming) run."""
-    titan_async("train", schedule, args, "--nproc-per-node", str(args.stages * args.fsdp), "--run-dir", str(run_dir))
+    """Train once; returns tokens/s, per-rank bubble, memory and collective traffic over the
+    measured steps, and the ideal tokens/s of a traced (streaming) run."""
+    titan_async("train", schedule, args, "--nproc-per-node", str(processes(args)), "--run-dir", str(run_dir))
     measured = range(args.warmup + 1, args.steps)  # the last step also drains
     per_rank = {}
     for path in sorted((run_dir / "pipeline").glob("rank*.jsonl")):
         rows = {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
         per_rank[int(path.stem[4:])] = rows
     step_time = statistics.median(per_rank[0][s]["time"] - per_rank[0][s - 1]["time"] for s in measured)
-    tokens = args.microbatch_size * args.microbatches * args.seq_len * args.fsdp
+    tokens = args.microbatch_size * args.microbatches * args.seq_len * args.fsdp * args.replicas * args.accumulate
     trace = run_dir / "pipeline" / "trace.json"
+    window = args.microbatches * args.accumulate  # a streaming step's microbatches
     return {
         "tokens_per_s": tokens / step_time,
-        "ideal_tokens_per_s": tokens / ideal_step_time(trace, args.microbatches) if trace.is_file() else None,
+        "ideal_tokens_per_s": tokens / ideal_step_time(trace, window) if trace.is_file() else None,
         "bubble": {r: statistics.median(rows[s]["bubble"] for s in measured) if schedule in STREAMING else None for r, rows in per_rank.items()},
         "memory_gib": {r: max(rows[s]["memory_gib"] for s in measured) for r, rows in per_rank.items()},
         "copies_mib": {r: 1024 * max(rows[s].get("weight_versions_gib", 0.0) for s in measured) for r, rows in per_rank.items()},
-        "fsdp_mib": {r: statistics.median(rows[s].get("fsdp_all_gather_bytes", 0) + rows[s].get("fsdp_reduce_scatter_bytes", 0)
-                                          for s in measured) / 2**20 for r, rows in per_rank.items()},
+        "collective_mib": {r: median_mib(rows, measured, *COLLECTIVES) for r, rows in per_rank.items()},
+        "all_reduce_mib": {r: median_mib(rows, measured, "replica_all_reduce_bytes") for r, rows in per_rank.items()},
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", type=int, default=2)
-    parser.add_argument("--fsdp", type=int, default=1, help="FSDP2 degree inside each stage (stages x fsdp processes)")
+    parser.add_argument("--fsdp", type=int, default=1, help="FSDP2 degree inside each stage (stages x fsdp x replicas processes)")
+    parser.add_argument("--replicas", type=int, default=1, help="replicas of each stage's FSDP group (DDP, HSDP with --fsdp)")
+    parser.add_argument("--accumulate", type=int, default=1, help="local batches accumulated per optimizer step")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--microbatch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
@@ -158,8 +187,12 @@ def report(results: dict[str, list[dict]], weights: dict[int, float], args) -> N
     def ratio(value: float, reference: float | None) -> str:
         return f"{value / reference:.3f}" if reference else "-"
 
+    def per_rank_median(key: str) -> dict[str, dict[int, float]]:
+        return {s: {k: statistics.median(r[key][k] for r in runs) for k in runs[0][key]} for s, runs in results.items()}
+
     rows = []
-    traffic = {s: {k: statistics.median(r["fsdp_mib"][k] for r in runs) for k in runs[0]["fsdp_mib"]} for s, runs in results.items()}
+    traffic, all_reduce = per_rank_median("collective_mib"), per_rank_median("all_reduce_mib")
+    worst: dict[str, float] = {}
     peak = {s: {k: max(r["memory_gib"][k] for r in runs) for k in runs[0]["memory_gib"]} for s, runs in results.items()}
     for schedule, runs in results.items():
         ranks = sorted(runs[0]["memory_gib"])
@@ -175,27 +208,48 @@ def report(results: dict[str, list[dict]], weights: dict[int, float], args) -> N
         rows.append([schedule, f"{speed:,.0f}", f"{min(speeds[schedule]):,.0f}", f"{max(speeds[schedule]):,.0f}",
                      ratio(speed, median.get("1F1B")), ratio(speed, median.get(best_sync)), ratio(speed, ideal),
                      " ".join(bubbles), " ".join(memory), " ".join(extra), " ".join(copies)])
-        if args.fsdp > 1:
+        if data_parallel(args):
             mine, base = traffic[schedule], traffic.get("1F1B")
-            rows[-1] += [" ".join(f"{mine[k]:.4g}" for k in ranks), f"{max(mine[k] / base[k] for k in ranks):.3f}" if base else "-"]
+            if base:
+                worst[schedule] = max(mine[k] / base[k] for k in ranks)
+            rows[-1] += [" ".join(f"{mine[k]:.4g}" for k in ranks), " ".join(f"{all_reduce[schedule][k]:.4g}" for k in ranks),
+                         f"{worst[schedule]:.3f}" if base else "-"]
     header = ["schedule", "tokens/s", "min", "max", "vs 1F1B", "vs best sync", "of ideal", "bubble per rank",
               "peak GiB per rank", "vs 1F1B GiB per rank", "weight copies MiB per rank"]
-    if args.fsdp > 1:
-        header += ["FSDP MiB/step per rank", "FSDP vs 1F1B (worst rank)"]
+    if data_parallel(args):
+        header += ["collective MiB/step per rank", "replica all-reduce MiB/step per rank", "collective vs 1F1B (worst rank)"]
     widths = [max(len(str(row[i])) for row in rows + [header]) for i in range(len(header))]
-    fsdp = f" fsdp={args.fsdp}" if args.fsdp > 1 else ""
-    print(f"\np={p} m={m}{fsdp}, median (min, max) of {args.reps} interleaved runs; best synchronous: {best_sync or '-'}")
+    print(f"\np={p} m={m}{layout_suffix(args, ' ', '=')}, median (min, max) of {args.reps} interleaved runs; "
+          f"best synchronous: {best_sync or '-'}")
     if ideal:
         print(f"ideal (no waiting, from the traced F, B and optimizer durations): {ideal:,.0f} tokens/s")
-    print(("stage weights MiB per rank: " if args.fsdp == 1 else "stage shard MiB per pipeline rank: ") + " ".join(f"{weights[k]:.2f}" for k in sorted(weights)))
+    print(("stage weights MiB per rank: " if processes(args) == p else "stage shard MiB per pipeline rank: ") + " ".join(f"{weights[k]:.2f}" for k in sorted(weights)))
     for row in [header] + rows:
         print("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)))
+    if data_parallel(args):
+        print_acceptance(worst)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / (f"bench_schedules_p{p}_m{m}" + (f"_fsdp{args.fsdp}" if args.fsdp > 1 else ""))
+    stem = args.out / f"bench_schedules_p{p}_m{m}{layout_suffix(args, '_', '')}"
     with open(stem.with_suffix(".csv"), "w", newline="") as f:
         csv.writer(f).writerows([header] + rows)
     plot(rows, ideal, p, m, stem.with_suffix(".png"))
     print(f"saved {stem}.csv and {stem}.png")
+
+
+def layout_suffix(args, separator: str, equals: str) -> str:
+    """The options that differ from one process per stage, e.g. " fsdp=2 replicas=2" or "_fsdp2_replicas2"."""
+    options = {"fsdp": args.fsdp, "replicas": args.replicas, "accumulate": args.accumulate}
+    return "".join(f"{separator}{name}{equals}{value}" for name, value in options.items() if value > 1)
+
+
+def print_acceptance(worst: dict[str, float]) -> None:
+    """Each streaming schedule's largest per-rank ratio of collective bytes to 1F1B's, against `ACCEPTED_RATIO`."""
+    streaming = {s: ratio for s, ratio in worst.items() if s in STREAMING}
+    print("collective = FSDP all-gather + reduce-scatter + replica all-reduce bytes per step (the tensors they take)")
+    if streaming:
+        verdict = "within" if max(streaming.values()) <= ACCEPTED_RATIO else "ABOVE"
+        print("largest per-rank collective bytes vs 1F1B: " + ", ".join(f"{s} {r:.3f}x" for s, r in streaming.items())
+              + f" ({verdict} the accepted {ACCEPTED_RATIO}x)")
 
 
 def plot(rows: list[list[str]], ideal: float | None, p: int, m: int, path: Path) -> None:

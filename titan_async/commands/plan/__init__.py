@@ -10,6 +10,9 @@ action list; the bytes those meta tensors stand for are compared with the estima
 puts both into one JSON-ready plan, which `render` prints.
 
 The layout is the one `train` would build (`titan_async.config.assemble`): FSDP2 wraps
-every stage except the streaming schedules' stages without data parallelism. Whatever
-`train` would refuse about the config is reported as a warning.
+every stage except the streaming schedules' stages without data parallelism; replicas
+(DDP, HSDP) hold their FSDP group's shards and add one all-reduce per gradient reduction;
+with gradient accumulation (K local batches per step) a streaming window holds K x m
+microbatches, while torch's schedules flush K times per step. Whatever `train` would refuse
+about the config is reported as a warning.
 """

@@ -57,7 +57,7 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True) -> dict[str, A
             )
     sizes = run.model.resolved(vocab)
     parallelism, t = run.parallelism, run.training
-    schedules = compare_schedules(layout.pipeline_stages(), layout.microbatches)
+    schedules = compare_schedules(layout.pipeline_stages(), layout.microbatches, layout.accumulation_steps)
     for entry in schedules:
         entry["selected"] = entry["name"].lower() == layout.schedule.lower() and layout.pipeline_stages() > 1
     return {
@@ -81,8 +81,11 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True) -> dict[str, A
             "context_parallel": parallelism.context_parallel_degree,
             "schedule": layout.schedule,
             "microbatches": layout.microbatches,
+            "accumulation_steps": layout.accumulation_steps,
+            "window": layout.window,
+            "windows_per_step": layout.windows_per_step,
             "microbatch_tokens": setup.tokens,
-            "tokens_per_step": t.local_batch_size * t.seq_len * run.data_parallel_degree(cluster.world_size),
+            "tokens_per_step": t.local_batch_size * t.seq_len * run.data_parallel_degree(cluster.world_size) * layout.accumulation_steps,
             "fsdp_applied": layout.fsdp_applied,
             "param_dtype": t.dtype,
             "compute_dtype": t.mixed_precision_param if layout.fsdp_applied else t.dtype,

@@ -25,6 +25,7 @@ from titan_async.config.run_config import RunConfig
 from titan_async.model.meta import MetaModel
 from titan_async.optim.error_feedback import PREVIOUS_UPDATE, STEPS
 from titan_async.parallel.fsdp_stage import FsdpStage
+from titan_async.pipeline.actions import pipeline_order
 from titan_async.pipeline.versions import two_versions
 
 ESTIMATE_ONLY_NOTE = (
@@ -80,7 +81,7 @@ def _allocated_state(run: RunConfig, layout: Layout, parts: list[torch.nn.Module
     allocated["weights"] = sum(_local_bytes(p) for p in params)
     if layout.two_versions:
         for part in parts:
-            versions = two_versions(part, layout.microbatches, FsdpStage.of(part))
+            versions = two_versions(part, layout.window, FsdpStage.of(part))
             allocated["weight_versions"] += sum(_local_bytes(t) for t in versions.copies())
     # Fused kernels refuse meta tensors; the foreach implementation keeps the same state.
     section = dataclasses.replace(run.optimizer, implementation="foreach")
@@ -98,10 +99,18 @@ def _allocated_state(run: RunConfig, layout: Layout, parts: list[torch.nn.Module
     return allocated
 
 
-def _actions(schedule: Any, pp_rank: int) -> tuple[list[str], dict[str, int]]:
-    """The schedule's action list for `pp_rank` (torch's schedule IR; None = idle) and the
-    count of each action type. Streaming schedules give two windows and a drain."""
-    order = (getattr(schedule, "pipeline_order", None) or {}).get(pp_rank, [])
+def _pipeline_order(schedule: Any, layout: Layout) -> dict[int, list]:
+    """Pipeline rank -> actions (torch's schedule IR): a streaming schedule's for two windows of
+    K x m microbatches and a drain (torchtitan builds the schedule with one local batch's m); a
+    synchronous schedule's for one flush of m, of the K a step runs."""
+    if layout.streaming and schedule is not None:
+        return pipeline_order(layout.pipeline_stages(), layout.window, windows=2)
+    return getattr(schedule, "pipeline_order", None) or {}
+
+
+def _actions(schedule: Any, layout: Layout, pp_rank: int) -> tuple[list[str], dict[str, int]]:
+    """The action list of `pp_rank` (None = idle) and the count of each action type."""
+    order = _pipeline_order(schedule, layout).get(pp_rank, [])
     names = [str(action) if action is not None else "idle" for action in order]
     counts = Counter(action.computation_type.value if action is not None else "idle" for action in order)
     return names, dict(counts)
@@ -112,7 +121,7 @@ def dry_run_rank(run: RunConfig, layout: Layout, model: MetaModel, world: int, r
     init_fake_mode(world, rank=rank)
     try:
         parts, schedule, pp_rank = _build_rank(run, model, world)
-        actions, counts = _actions(schedule, pp_rank)
+        actions, counts = _actions(schedule, layout, pp_rank)
         return {
             "rank": rank,
             "pp_rank": pp_rank,

@@ -22,12 +22,15 @@ from titan_async.commands.plan.memory import (
     held_microbatches,
     parse_size,
     rank_memory,
+    window_microbatches,
+    windows_per_step,
 )
 from titan_async.config.assemble import plain_parameters, tokenizer_vocab_size
 from titan_async.config.run_config import RunConfig
 from titan_async.core.errors import UserError
 from titan_async.optim.newton_schulz import resolve_dtype
 from titan_async.optim.routing import route_parameters
+from titan_async.pipeline.config import accumulation_steps
 from titan_async.pipeline.schedules import SchedulePipeDream2BW, streaming_schedule
 from titan_async.pipeline.split import split_stages
 
@@ -64,8 +67,13 @@ class Layout:
     pp: int
     fsdp: int
     """data_parallel_shard_degree, resolved."""
+    replicas: int
+    """data_parallel_replicate_degree: copies of each FSDP group."""
     schedule: str
     microbatches: int
+    """m: microbatches per local batch."""
+    accumulation_steps: int
+    """K: local batches per optimizer step (torchtitan's gradient accumulation)."""
     stage_modules: list[list[str]]
     rank_stages: list[tuple[int, ...]]
     """Pipeline rank -> indices of the stages it holds."""
@@ -80,6 +88,16 @@ class Layout:
 
     def pipeline_stages(self) -> int:
         return len(self.stage_modules) if self.pp > 1 or self.emulated else 1
+
+    @property
+    def window(self) -> int:
+        """Microbatches of one flush or window of this config's schedule (`memory.window_microbatches`)."""
+        return window_microbatches(self.schedule, self.microbatches, self.accumulation_steps)
+
+    @property
+    def windows_per_step(self) -> int:
+        """Flushes or windows of this config's schedule per optimizer step (`memory.windows_per_step`)."""
+        return windows_per_step(self.schedule, self.accumulation_steps)
 
 
 def check_world_size(run: RunConfig, cluster: Cluster) -> None:
@@ -134,8 +152,10 @@ def make_layout(run: RunConfig, cluster: Cluster, model_config) -> Layout:
     return Layout(
         pp=pp,
         fsdp=shard,
+        replicas=p.data_parallel_replicate_degree,
         schedule=p.pipeline_parallel_schedule,
         microbatches=run.microbatches(),
+        accumulation_steps=accumulation_steps(t, run.data_parallel_degree(cluster.world_size)),
         stage_modules=modules,
         rank_stages=ranks,
         emulated=bool(p.emulated_stages) and pp == 1,
@@ -214,6 +234,7 @@ def make_setup(run: RunConfig, layout: Layout, vocab: int, gpu: bool = True) -> 
         ns_dtype=str(resolve_dtype(muon.ns_dtype, torch.device("cuda" if gpu else "cpu"))).removeprefix("torch."),
         muon_group=layout.fsdp * p.context_parallel_degree if layout.fsdp_applied else 1,
         gpu=gpu,
+        replicas=layout.replicas,
     )
 
 
@@ -221,10 +242,10 @@ def _held(layout: Layout, rank: int) -> list[float]:
     """Microbatches held in flight on each stage of pipeline rank `rank`."""
     stages = layout.rank_stages[rank]
     if layout.emulated:
-        return [min(layout.microbatches, len(stages) - s) for s in stages]
+        return [min(layout.window, len(stages) - s) for s in stages]
     if layout.pp == 1:
         return [1.0]
-    total = held_microbatches(layout.schedule, rank, layout.pp, layout.microbatches, len(stages))
+    total = held_microbatches(layout.schedule, rank, layout.pp, layout.window, len(stages))
     return [total / len(stages)] * len(stages)
 
 
@@ -250,15 +271,17 @@ def estimate_ranks(layout: Layout, shapes: list[StageShape], setup: Setup, clust
 
 
 def communication(layout: Layout, shapes: list[StageShape], setup: Setup, accumulation: int | None) -> list[dict[str, Any]]:
-    """FSDP bytes per steady-state step of every pipeline rank, for each schedule `plan` compares
-    (`fsdp_traffic_bytes`; each rank keeps this config's stages); empty without a pipeline or
-    without FSDP collectives."""
-    if layout.pp < 2 or not setup.fsdp or setup.fsdp_degree < 2:
+    """FSDP and replica bytes per steady-state step of every pipeline rank, for each schedule
+    `plan` compares (`fsdp_traffic_bytes`, with this config's accumulation steps and PACI
+    `accumulation`; each rank keeps this config's stages); empty without a pipeline or without
+    data-parallel collectives."""
+    if layout.pp < 2 or not setup.fsdp or (setup.fsdp_degree < 2 and setup.replicas < 2):
         return []
     rows = []
     for name in COMPARED_SCHEDULES:
-        ranks = [fsdp_traffic_bytes(name, [shapes[i] for i in indices], setup, layout.microbatches, accumulation)
+        ranks = [fsdp_traffic_bytes(name, [shapes[i] for i in indices], setup, layout.microbatches,
+                                    layout.accumulation_steps, accumulation)
                  for indices in layout.rank_stages]
-        busiest = max(ranks, key=lambda r: r["all_gather"] + r["reduce_scatter"])
+        busiest = max(ranks, key=lambda r: sum(r.values()))
         rows.append({"name": name, "ranks": ranks, "busiest": busiest, "selected": name.lower() == layout.schedule.lower()})
     return rows

@@ -4,7 +4,9 @@ Per GPU, every pipeline rank's memory is made of these components (bytes); how t
 to its peak ("total") is said under optimizer_step:
 
 - weights: the rank's stage parameters / weight shards (FSDP x CP, and TP approximately),
-  in the parameter dtype (training.dtype).
+  in the parameter dtype (training.dtype). Replicas (DDP, HSDP) hold the same shards as their
+  FSDP group, which shards over data_parallel_shard_degree only: a rank's memory is that of
+  its FSDP group whatever the replicate degree.
 - weight_versions: PipeDream2BW (and gradient_delay = 1) keeps a second weight version:
   one more copy of the local weights (for plain parameters the other buffer, under FSDP2 a
   side shard beside FSDP's own).
@@ -150,6 +152,8 @@ class Setup:
     """Newton-Schulz iteration dtype on the planned device (optimizer.muon.ns_dtype resolved)."""
     muon_group: int = 1
     """Ranks whose shards of a matrix Muon gathers to one owner (1: matrices are whole)."""
+    replicas: int = 1
+    """data_parallel_replicate_degree: copies of the FSDP group, each holding the same shards."""
     gpu: bool = True
     """Planned for GPUs (NCCL); False for CPU processes (gloo)."""
 
@@ -400,22 +404,43 @@ def rank_memory(stages: list[StageShape], held: list[float], setup: Setup, sched
     return memory
 
 
-def fsdp_traffic_bytes(schedule: str, stages: list[StageShape], setup: Setup, microbatches: int,
-                       accumulation: int | None = None) -> dict[str, float]:
-    """Bytes one rank of a pipeline stage all-gathers and reduce-scatters per steady-state step
-    (titan_async.parallel.fsdp_traffic counts the same): each gather moves the rank's stage parameters
-    in the compute dtype, each reduction their gradients in the reduce dtype.
+def reductions_per_step(schedule: str, microbatches: int, accumulation_steps: int = 1, accumulation: int | None = None) -> float:
+    """Gradient reductions per optimizer step on a pipeline stage, with m microbatches per local
+    batch and K = `accumulation_steps` local batches per step: torch's schedules finalize FSDP at
+    the end of each flush, K per step (`windows_per_step`); PipeDream2BW reduces once per step;
+    PACI once per local step of a = `accumulation` backwards, K m / a (a unset: K m)."""
+    if schedule.lower() == "paci":
+        window = window_microbatches(schedule, microbatches, accumulation_steps)
+        return window / (accumulation or window)
+    return windows_per_step(schedule, accumulation_steps)
 
-    torch's schedules gather once per step (the stages reshard after their last backward) and
-    reduce once; PipeDream2BW gathers each version once (its other version stays gathered) and
-    reduces once per batch; PACI re-gathers after each of its m / a local steps and reduces
-    before each. Drains for checkpoints and validation may add one gather of the latest 2BW
-    version."""
-    if not setup.fsdp or setup.fsdp_degree < 2:
-        return {"all_gather": 0.0, "reduce_scatter": 0.0}
+
+def fsdp_traffic_bytes(schedule: str, stages: list[StageShape], setup: Setup, microbatches: int,
+                       accumulation_steps: int = 1, accumulation: int | None = None) -> dict[str, float]:
+    """Bytes one rank of a pipeline stage all-gathers, reduce-scatters and all-reduces across
+    replicas per steady-state step (titan_async.parallel.fsdp_traffic counts the same). With
+    n = `reductions_per_step`, P the rank's stage parameters, f the FSDP (shard) degree, r the
+    replicas, c and g the compute and reduce dtype bytes:
+
+        all_gather = n P c and reduce_scatter = n P g   (0 when f = 1)
+        all_reduce = n (P / f) g                        (0 when r = 1)
+
+    Every reduction is followed by a gather: torch's schedules reshard at the end of each flush,
+    PipeDream2BW gathers each version once (its other version stays gathered), PACI gathers
+    again after each local step. The all-reduce is that of the reduce-scattered shard, counted
+    as the bytes of the tensor all-reduced, as the runtime counts it; a ring all-reduce sends
+    and receives 2 (r - 1) / r times that per rank. FSDP's padding of shards is left out.
+    Drains for checkpoints and validation may add one gather of the latest 2BW version."""
+    if not setup.fsdp:
+        return {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
     params = sum(s.params for s in stages)
-    rounds = microbatches / (accumulation or microbatches) if schedule.lower() == "paci" else 1
-    return {"all_gather": rounds * params * setup.compute_bytes, "reduce_scatter": rounds * params * setup.reduce_bytes}
+    n = reductions_per_step(schedule, microbatches, accumulation_steps, accumulation)
+    sharded = setup.fsdp_degree > 1
+    return {
+        "all_gather": n * params * setup.compute_bytes if sharded else 0.0,
+        "reduce_scatter": n * params * setup.reduce_bytes if sharded else 0.0,
+        "all_reduce": n * params / setup.fsdp_degree * setup.reduce_bytes if setup.replicas > 1 else 0.0,
+    }
 
 
 def bubble(schedule: str, stages: int, microbatches: int) -> float:
@@ -427,14 +452,29 @@ def bubble(schedule: str, stages: int, microbatches: int) -> float:
     return (stages - 1) / (chunks * microbatches + stages - 1)
 
 
-def compare_schedules(stages: int, microbatches: int) -> list[dict[str, float | str]]:
-    """Bubble and throughput relative to 1F1B, (1 - bubble) / (1 - bubble_1F1B), per schedule."""
+def windows_per_step(schedule: str, accumulation_steps: int = 1) -> int:
+    """Flushes of a synchronous schedule per optimizer step, one per accumulated local batch, K
+    (torchtitan's `train_step` runs `pp_schedule.step()` once per local batch); 1 for a
+    streaming schedule, whose step is one window of the stream."""
+    return 1 if schedule.lower() in STREAMING_SCHEDULES else accumulation_steps
+
+
+def window_microbatches(schedule: str, microbatches: int, accumulation_steps: int = 1) -> int:
+    """Microbatches of one flush or window: K m / `windows_per_step`, so a streaming window holds
+    the K m microbatches of the step and a synchronous flush the m of one local batch."""
+    return microbatches * accumulation_steps // windows_per_step(schedule, accumulation_steps)
+
+
+def compare_schedules(stages: int, microbatches: int, accumulation_steps: int = 1) -> list[dict[str, float | str]]:
+    """Bubble (of each flush or window, `window_microbatches`) and throughput relative to 1F1B,
+    (1 - bubble) / (1 - bubble_1F1B), per schedule."""
     baseline = 1 - bubble("1F1B", stages, microbatches)
-    return [
-        {"name": name, "bubble": bubble(name, stages, microbatches),
-         "relative_throughput": (1 - bubble(name, stages, microbatches)) / baseline}
-        for name in COMPARED_SCHEDULES
-    ]
+    rows = []
+    for name in COMPARED_SCHEDULES:
+        mb = window_microbatches(name, microbatches, accumulation_steps)
+        rows.append({"name": name, "window": mb, "bubble": bubble(name, stages, mb),
+                     "relative_throughput": (1 - bubble(name, stages, mb)) / baseline})
+    return rows
 
 
 def gib(value: float) -> float:

@@ -86,25 +86,29 @@ def _memory_table(plan: dict[str, Any]) -> Table:
 
 def _schedule_table(plan: dict[str, Any]) -> Table:
     layout = plan["layout"]
+    k = layout["accumulation_steps"]
+    accumulated = (f" x K = {k} accumulated local batches: synchronous schedules flush K times per step, a streaming "
+                   f"window holds K x m = {k * layout['microbatches']}") if k > 1 else ""
     return Table(
-        f"Schedules (p = {layout['pipeline_stages']} stages, m = {layout['microbatches']} microbatches; "
+        f"Schedules (p = {layout['pipeline_stages']} stages, m = {layout['microbatches']} microbatches{accumulated}; "
         "Interleaved1F1B with v = 2 chunks per rank)",
-        ["schedule", "bubble", "throughput vs 1F1B", ""],
-        [[s["name"], f"{s['bubble']:.1%}", f"{s['relative_throughput']:.2f}x", "<- this config" if s["selected"] else ""]
-         for s in plan["schedules"]],
+        ["schedule", "microbatches per flush or window", "bubble", "throughput vs 1F1B", ""],
+        [[s["name"], str(s["window"]), f"{s['bubble']:.1%}", f"{s['relative_throughput']:.2f}x",
+          "<- this config" if s["selected"] else ""] for s in plan["schedules"]],
     )
 
 
 def _communication_table(plan: dict[str, Any]) -> Table:
     def total(row: dict[str, Any]) -> float:
-        return row["busiest"]["all_gather"] + row["busiest"]["reduce_scatter"]
+        return sum(row["busiest"].values())
 
     rows = plan["communication"]
     baseline = next(total(r) for r in rows if r["name"] == "1F1B")
     return Table(
-        "FSDP communication per step, busiest rank (GB; steady state, titan_async.commands.plan.memory.fsdp_traffic_bytes)",
-        ["schedule", "all-gather", "reduce-scatter", "total", "vs 1F1B", ""],
-        [[r["name"], f"{r['busiest']['all_gather'] / 1e9:.2f}", f"{r['busiest']['reduce_scatter'] / 1e9:.2f}",
+        "FSDP and replica communication per step, busiest rank (GB; steady state, the tensor bytes each collective "
+        "takes, titan_async.commands.plan.memory.fsdp_traffic_bytes)",
+        ["schedule", "all-gather", "reduce-scatter", "replica all-reduce", "total", "vs 1F1B", ""],
+        [[r["name"], *(f"{r['busiest'][key] / 1e9:.2f}" for key in ("all_gather", "reduce_scatter", "all_reduce")),
           f"{total(r) / 1e9:.2f}", f"{total(r) / baseline:.2f}x",
           "<- this config" if r["selected"] else ""] for r in rows],
     )
@@ -129,6 +133,7 @@ def _dry_run_table(plan: dict[str, Any]) -> Table:
 def _header(plan: dict[str, Any]) -> list[str]:
     m, l = plan["model"], plan["layout"]
     schedule = l["schedule"] if l["pipeline_stages"] > 1 else "no pipeline"
+    accumulated = f" x {l['accumulation_steps']} accumulated local batches" if l["accumulation_steps"] > 1 else ""
     return [
         f"plan: {plan['config']} on {plan['nodes']} node(s) x {plan['gpus_per_node']} GPU(s) = {plan['world_size']} GPUs "
         f"of {gib(plan['gpu_memory_bytes']):g} GiB",
@@ -136,7 +141,7 @@ def _header(plan: dict[str, Any]) -> list[str]:
         f"{m['n_heads']} heads, {m['n_kv_heads']} KV heads, FFN {m['ffn_dim']}, vocab {m['vocab_size']})",
         f"layout: PP {l['pipeline_parallel']} x FSDP {l['data_parallel_shard']} x replicate {l['data_parallel_replicate']} "
         f"x TP {l['tensor_parallel']} x CP {l['context_parallel']}; {schedule}, {l['microbatches']} microbatch(es) "
-        f"of {l['microbatch_tokens']} tokens per GPU, {l['tokens_per_step']:,} tokens per step",
+        f"of {l['microbatch_tokens']} tokens per GPU{accumulated}, {l['tokens_per_step']:,} tokens per step",
         f"precision: weights {l['param_dtype']}, compute {l['compute_dtype']}, reduce {l['reduce_dtype']}"
         f"{'' if l['fsdp_applied'] else ' (no FSDP2: streaming stages without data parallelism)'}"
         f"{'' if l['float8'] == 'none' else ', float8 ' + l['float8'] + ' linears'}; "
@@ -184,7 +189,9 @@ def print_plan(plan: dict[str, Any], as_json: bool) -> None:
         print("\n".join(_header(plan)))
         for table in tables:
             print("\n" + _plain(table))
+    flushes = plan["layout"]["windows_per_step"]
     for rank in plan["dry_run"]["ranks"]:
         if rank["actions"]:
             more = " ..." if len(rank["actions"]) > 16 else ""
-            print(f"rank {rank['rank']} actions ({len(rank['actions'])}): {' '.join(rank['actions'][:16])}{more}")
+            repeated = f", {flushes} flushes per step" if flushes > 1 else ""
+            print(f"rank {rank['rank']} actions ({len(rank['actions'])}{repeated}): {' '.join(rank['actions'][:16])}{more}")
