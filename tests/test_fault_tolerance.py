@@ -18,8 +18,8 @@ import pytest
 from conftest import CONFIGS, REPO, TINY, cli_in_process, fresh_environment, losses, run_cli, sets
 from titan_async.run.checkpoints import damage
 
-PP_2BW = ("--config", str(CONFIGS / "debug_cpu_pp2_2bw.toml"), "--nproc-per-node", "2",
-          *sets(*TINY, "training.steps=10", "checkpoint.interval=2"))
+PP_2BW_REPLICAS = ("--config", str(CONFIGS / "debug_cpu_pp2_2bw.toml"), "--nproc-per-node", "4",
+                   *sets(*TINY, "training.steps=10", "checkpoint.interval=2", "parallelism.data_parallel_replicate_degree=2"))
 SINGLE = ("--config", str(CONFIGS / "debug_cpu.toml"), *sets(*TINY, "checkpoint.interval=1", "checkpoint.keep_latest_k=0"))
 
 
@@ -77,15 +77,16 @@ def worker_of_rank(launcher: int, rank: int) -> int:
 
 @pytest.fixture(scope="module")
 def restarted(tmp_path_factory):
-    """A PP = 2 PipeDream2BW run whose rank-1 worker is SIGKILLed after the step-6 checkpoint,
-    with --max-restarts 1, and the same run uninterrupted: (run dir, its output, baseline dir)."""
+    """A PP = 2 x replicas 2 PipeDream2BW run whose rank-3 worker (a replica of stage 1) is
+    SIGKILLed after the step-6 checkpoint, with --max-restarts 1, and the same run uninterrupted:
+    (run dir, its output, baseline dir)."""
     root = tmp_path_factory.mktemp("restart")
     baseline = root / "baseline"
-    run_cli("train", "--run-dir", str(baseline), *PP_2BW)
+    run_cli("train", "--run-dir", str(baseline), *PP_2BW_REPLICAS)
     run_dir, output = root / "restarted", root / "restarted.out"
-    launcher = start("train", "--run-dir", str(run_dir), "--max-restarts", "1", *PP_2BW, output=output)
+    launcher = start("train", "--run-dir", str(run_dir), "--max-restarts", "1", *PP_2BW_REPLICAS, output=output)
     wait_for(run_dir / "checkpoint" / "step-6" / ".metadata", launcher)
-    os.kill(worker_of_rank(launcher.pid, 1), signal.SIGKILL)
+    os.kill(worker_of_rank(launcher.pid, 3), signal.SIGKILL)
     assert launcher.wait(timeout=300) == 0, output.read_text()[-5000:]
     return run_dir, output.read_text(), baseline
 
