@@ -47,7 +47,7 @@ def test_paci_refuses_fewer_microbatches_than_its_first_stage_holds(capsys, tmp_
         "parallelism.pipeline_parallel_schedule=PACI", "parallelism.emulated_stages=4",
         "training.local_batch_size=2", "parallelism.pipeline_parallel_microbatch_size=1"))
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "needs at least as many microbatches as the first stage holds in flight (stages - 1)" in err and "= 2 < 3" in err
+    assert "needs at least as many microbatches per step as the first stage holds in flight (stages - 1)" in err and "= 2 < 3" in err
 
 
 def test_paci_refuses_selective_activation_checkpointing():
@@ -73,7 +73,7 @@ def test_paci_refuses_selective_activation_checkpointing():
     "assignment, message",
     [
         ("parallelism.pipeline_parallel_schedule=Zigzag", "unknown schedule; valid names are 1F1B, GPipe"),
-        ("parallelism.pipeline_parallel_microbatch_size=8", "needs at least as many microbatches as stages"),
+        ("parallelism.pipeline_parallel_microbatch_size=8", "needs at least as many microbatches per step as stages"),
         ("parallelism.paci.accumulation=0", "parallelism.paci.accumulation must be >= 1, got 0"),
         ("training.gradient_delay=2", "training.gradient_delay must be 0 or 1, got 2"),
         ("checkpoint.async_mode=async", "checkpoint.async_mode = 'async' cannot run with PipeDream2BW"),
@@ -91,16 +91,16 @@ def test_bad_schedule_settings(capsys, tmp_path, assignment, message):
     assert exit_info.value.code == 2 and message in err and len(err.splitlines()) == 1, err
 
 
-def test_streaming_schedule_rejects_replicated_stages(capsys, tmp_path):
+def test_streaming_schedule_rejects_tensor_parallel_stages(capsys, tmp_path):
     from titan_async import cli
 
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["train", "--config", str(CONFIGS / "debug_cpu_pp2_fsdp2.toml"), "--nproc-per-node", "4",
                   "--run-dir", str(tmp_path / "run"),
                   *sets("parallelism.pipeline_parallel_schedule=PACI", "parallelism.data_parallel_shard_degree=1",
-                        "parallelism.data_parallel_replicate_degree=2")])
+                        "parallelism.tensor_parallel_degree=2")])
     assert exit_info.value.code == 2
-    assert "'PACI' does not support parallelism.data_parallel_replicate_degree > 1" in capsys.readouterr().err
+    assert "'PACI' does not support parallelism.tensor_parallel_degree > 1" in capsys.readouterr().err
 
 
 STEPS = 6
