@@ -74,7 +74,7 @@ def refuse_switches(saved: RunConfig, assignments: list[str]) -> None:
 def plain_parameters(run: RunConfig, world_size: int) -> bool:
     """Whether to leave out FSDP, which torchtitan applies even on one rank: weight-version
     policies switch plain parameters for free, and without data parallelism FSDP adds nothing."""
-    return _weight_versions(run) and run.data_parallel_degree(world_size) == 1
+    return _weight_versions(run) and run.data_parallel_degree(world_size) == 1 and run.parallelism.tensor_parallel_degree == 1
 
 
 def compile_config(run: RunConfig):

@@ -1,14 +1,15 @@
-"""Run a function on the full logical matrices behind FSDP-sharded tensors, each on one owner rank."""
+"""Run a function on the full logical matrices behind sharded tensors (FSDP2, TP, both), each on one owner rank."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 BatchFunction = Callable[[list[int], list[torch.Tensor]], list[torch.Tensor]]
 """fn(indices, full matrices M_i for those indices) -> one tensor per matrix, of its shape."""
@@ -25,108 +26,166 @@ def assign_owners(costs: Sequence[float], ranks: int) -> list[int]:
     return owners
 
 
+def sharded_mesh_dims(layout: torch.Tensor) -> tuple[int, ...]:
+    """The mesh dimensions (of size > 1) over which `layout` holds different parts of its matrix."""
+    if not isinstance(layout, DTensor):
+        return ()
+    mesh = layout.device_mesh
+    return tuple(d for d, p in enumerate(layout.placements) if isinstance(p, (Shard, _StridedShard)) and mesh.size(d) > 1)
+
+
+def exchange_group(layout: torch.Tensor) -> dist.ProcessGroup | None:
+    """The ranks among which `layout`'s matrix is split: one mesh dimension's group, or the
+    flattened group of several (FSDP x TP). Creating a flattened group is collective over the
+    world, so every rank calls this for its matrices when its optimizer is built (`Muon`)."""
+    dims = sharded_mesh_dims(layout)
+    if not dims:
+        return None
+    mesh = layout.device_mesh
+    if len(dims) == 1:
+        return mesh.get_group(dims[0])
+    return mesh[tuple(mesh.mesh_dim_names[d] for d in dims)]._flatten().get_group()
+
+
 def map_full_matrices(
     parts: Sequence[torch.Tensor], layouts: Sequence[torch.Tensor], fn: BatchFunction, costs: Sequence[float]
 ) -> list[torch.Tensor]:
-    """This rank's rows of fn's result for every matrix M_i.
+    """This rank's part of fn's result for every matrix M_i.
 
     `parts[i]` is this rank's local part of M_i, distributed like `layouts[i]`: a plain tensor
-    (M_i is `parts[i]`), or a DTensor sharded on dim 0 over one mesh dimension and replicated
-    over any others (FSDP2, HSDP). Sharded matrices are gathered to one owner rank of their
-    mesh dimension, owners balanced by `costs[i]` (what fn spends on M_i); then `fn` runs once
-    on this rank, over every full matrix it holds (its own and the unsharded ones), and the rows
-    go back to their ranks: two all-to-alls per (process group, dtype), however many matrices.
-    Every rank of those groups must call this with the same matrices in the same order.
-    Returns plain tensors.
+    (M_i is `parts[i]`), or a DTensor with any Shard/_StridedShard/Replicate placements (FSDP2,
+    HSDP, TP, FSDP x TP). Sharded matrices are gathered to one owner rank of the ranks that
+    split them (`exchange_group`), owners balanced by `costs[i]` (what fn spends on M_i); then
+    `fn` runs once on this rank, over every full matrix it holds (its own and the unsharded
+    ones), and each rank's part goes back to it: two all-to-alls per (process group, dtype),
+    however many matrices. Every rank of those groups must call this with the same matrices in
+    the same order. Returns plain tensors.
     """
     held: dict[int, torch.Tensor] = {}
     batches: dict[tuple[int, torch.dtype], tuple[dist.ProcessGroup, list[int]]] = {}
     for i, (part, layout) in enumerate(zip(parts, layouts)):
-        mesh_dim = _row_sharded_mesh_dim(layout)
-        if mesh_dim is None:
+        group = exchange_group(layout)
+        if group is None:
             held[i] = part
             continue
-        group = layout.device_mesh.get_group(mesh_dim)
         batches.setdefault((id(group), part.dtype), (group, []))[1].append(i)
     exchanges = []
     for group, indices in batches.values():
-        exchange = _Exchange(group, [tuple(layouts[i].shape) for i in indices], [costs[i] for i in indices])
+        exchange = _Exchange(group, [layouts[i] for i in indices], [costs[i] for i in indices], parts[indices[0]].device)
         held.update(zip([indices[j] for j in exchange.mine], exchange.gather([parts[i] for i in indices])))
         exchanges.append((indices, exchange))
     computed = dict(zip(held, fn(list(held), list(held.values()))))
     results = [computed.get(i) for i in range(len(parts))]
     for indices, exchange in exchanges:
-        for i, rows in zip(indices, exchange.scatter([computed[indices[j]] for j in exchange.mine])):
-            results[i] = rows
+        for i, part in zip(indices, exchange.scatter([computed[indices[j]] for j in exchange.mine])):
+            results[i] = part
     return results
 
 
-def _row_sharded_mesh_dim(layout: torch.Tensor) -> int | None:
-    """The mesh dimension `layout` is sharded on (rows), or None if it is not sharded."""
-    if not isinstance(layout, DTensor):
-        return None
-    sharded = [d for d, p in enumerate(layout.placements) if not p.is_replicate()]
-    if not sharded:
-        return None
-    if len(sharded) > 1 or not layout.placements[sharded[0]].is_shard(0):
-        raise ValueError(
-            f"a matrix of shape {tuple(layout.shape)} has placements {layout.placements}; "
-            "only Shard(0) on one mesh dimension (FSDP2) is supported"
-        )
-    return sharded[0]
+@lru_cache(maxsize=None)
+def _shard_indices(shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...],
+                   coordinate: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Per tensor dimension, the global indices (on `device`) that the part at mesh `coordinate`
+    holds, in its order: the part is M[i_0][:, i_1]... . Placements apply in mesh-dimension
+    order, each splitting the previous part along its tensor dimension as `distribute_tensor`
+    splits it."""
+    index = [torch.arange(n, device=device) for n in shape]
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, _StridedShard):
+            one_dim = _StridedShard(0, split_factor=placement.split_factor)
+        elif isinstance(placement, Shard):
+            one_dim = Shard(0)
+        else:
+            continue
+        dim = placement.dim % len(shape)
+        index[dim] = one_dim._select_split_tensor(index[dim], mesh_shape[mesh_dim], coordinate[mesh_dim], with_padding=False)
+    return tuple(index)
+
+
+def _coordinate(mesh: DeviceMesh, rank: int) -> tuple[int, ...]:
+    """The mesh coordinate of global rank `rank`."""
+    return tuple((mesh.mesh == rank).nonzero()[0].tolist())
+
+
+def _grid(index: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """`index` as broadcastable advanced indices: M[_grid(index)] is the part, of shape (len(i_0), len(i_1), ...)."""
+    n = len(index)
+    return tuple(i.view([-1 if d == k else 1 for d in range(n)]) for k, i in enumerate(index))
 
 
 class _Exchange:
-    """Row-sharded matrices of one process group: gathered whole to their owners, results sent back.
+    """Sharded matrices of one process group: gathered whole to their owners, results sent back.
 
-    Rows are split as FSDP2 splits them (chunks of ceil(rows / world), the last ones short or
-    empty); `mine` lists the matrices this rank owns, in the order `gather` returns them.
+    `parts[g][j]` is (global indices per dimension) the part of matrix j that group rank g
+    holds; `mine` lists the matrices this rank owns, in the order `gather` returns them.
     """
 
-    def __init__(self, group: dist.ProcessGroup, shapes: list[tuple[int, ...]], costs: list[float]) -> None:
-        self.group = group
-        self.world, me = dist.get_world_size(group), dist.get_rank(group)
-        self.rows = [shape[0] for shape in shapes]
-        self.cols = [shape[1] for shape in shapes]
-        self.chunks = [math.ceil(r / self.world) for r in self.rows]
-        self.local_rows = [max(0, min(c, r - me * c)) for r, c in zip(self.rows, self.chunks)]
-        self.sizes = [c * n for c, n in zip(self.chunks, self.cols)]
-        owners = assign_owners(costs, self.world)
-        self.order = sorted(range(len(shapes)), key=lambda j: (owners[j], j))
-        self.mine = [j for j in self.order if owners[j] == me]
-        self.send_splits = [sum(self.sizes[j] for j in self.order if owners[j] == r) for r in range(self.world)]
-        self.piece = self.send_splits[me]
+    def __init__(self, group: dist.ProcessGroup, layouts: list[DTensor], costs: list[float], device: torch.device) -> None:
+        self.group, self.device = group, device
+        self.world, self.me = dist.get_world_size(group), dist.get_rank(group)
+        self.shapes = [tuple(layout.shape) for layout in layouts]
+        members = [dist.get_global_rank(group, g) for g in range(self.world)]
+        self.parts = [
+            [_shard_indices(tuple(layout.shape), tuple(layout.placements), tuple(layout.device_mesh.shape),
+                            _coordinate(layout.device_mesh, rank), device) for layout in layouts]
+            for rank in members
+        ]
+        self.sizes = [[_numel(index) for index in row] for row in self.parts]
+        self.owners = assign_owners(costs, self.world)
+        self.mine = [j for j in range(len(layouts)) if self.owners[j] == self.me]
+
+    def _owned_by(self, rank: int) -> list[int]:
+        return [j for j in range(len(self.shapes)) if self.owners[j] == rank]
 
     def gather(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The full matrices of `mine`, from every rank's local rows `parts` (one per shape)."""
+        """The full matrices of `mine`, from every rank's local parts `parts` (one per matrix)."""
         for j, part in enumerate(parts):
-            if part.shape != (self.local_rows[j], self.cols[j]):
-                raise ValueError(
-                    f"expected a local shard of shape {(self.local_rows[j], self.cols[j])}, got {tuple(part.shape)}"
-                )
-        self.dtype, self.device = parts[0].dtype, parts[0].device
-        padded = [F.pad(parts[j], (0, 0, 0, self.chunks[j] - self.local_rows[j])).reshape(-1) for j in self.order]
-        gathered = torch.empty(self.piece * self.world, dtype=self.dtype, device=self.device)
-        dist.all_to_all_single(gathered, torch.cat(padded), [self.piece] * self.world, self.send_splits, group=self.group)
-        by_source = gathered.view(self.world, self.piece)
-        full, offset = [], 0
-        for j in self.mine:
-            full.append(by_source[:, offset : offset + self.sizes[j]].reshape(-1, self.cols[j])[: self.rows[j]])
-            offset += self.sizes[j]
-        return full
+            expected = tuple(len(i) for i in self.parts[self.me][j])
+            if tuple(part.shape) != expected:
+                raise ValueError(f"expected a local part of shape {expected} of a {self.shapes[j]} matrix, got {tuple(part.shape)}")
+        dtype, device = parts[0].dtype, self.device
+        self.dtype = dtype
+        sent = [parts[j].reshape(-1) for r in range(self.world) for j in self._owned_by(r)]
+        send_splits = [sum(self.sizes[self.me][j] for j in self._owned_by(r)) for r in range(self.world)]
+        receive_splits = [sum(self.sizes[g][j] for j in self.mine) for g in range(self.world)]
+        received = _all_to_all(sent, send_splits, receive_splits, dtype, device, self.group)
+        full = {j: torch.empty(self.shapes[j], dtype=dtype, device=device) for j in self.mine}
+        offset = 0
+        for g in range(self.world):
+            for j in self.mine:
+                index = self.parts[g][j]
+                full[j][_grid(index)] = received[offset : offset + self.sizes[g][j]].view([len(i) for i in index])
+                offset += self.sizes[g][j]
+        return [full[j] for j in self.mine]
 
     def scatter(self, results: list[torch.Tensor]) -> list[torch.Tensor]:
-        """This rank's rows of every matrix's result, given the results for `mine` (after `gather`)."""
-        outputs = [
-            F.pad(result.to(self.dtype), (0, 0, 0, self.world * self.chunks[j] - self.rows[j])).reshape(self.world, self.sizes[j])
-            for j, result in zip(self.mine, results)
-        ]
-        sent = torch.cat(outputs, dim=1).reshape(-1) if outputs else torch.empty(0, dtype=self.dtype, device=self.device)
-        received = torch.empty(sum(self.send_splits), dtype=self.dtype, device=self.device)
-        dist.all_to_all_single(received, sent, self.send_splits, [self.piece] * self.world, group=self.group)
-        local: list[torch.Tensor | None] = [None] * len(self.rows)
+        """This rank's part of every matrix's result, given the results for `mine` (after `gather`)."""
+        by_matrix = dict(zip(self.mine, results))
+        sent = [by_matrix[j].to(self.dtype)[_grid(self.parts[g][j])].reshape(-1) for g in range(self.world) for j in self.mine]
+        send_splits = [sum(self.sizes[g][j] for j in self.mine) for g in range(self.world)]
+        receive_splits = [sum(self.sizes[self.me][j] for j in self._owned_by(r)) for r in range(self.world)]
+        received = _all_to_all(sent, send_splits, receive_splits, self.dtype, self.device, self.group)
+        local: dict[int, torch.Tensor] = {}
         offset = 0
-        for j in self.order:
-            local[j] = received[offset : offset + self.sizes[j]].view(self.chunks[j], self.cols[j])[: self.local_rows[j]]
-            offset += self.sizes[j]
-        return local
+        for r in range(self.world):
+            for j in self._owned_by(r):
+                size = self.sizes[self.me][j]
+                local[j] = received[offset : offset + size].view([len(i) for i in self.parts[self.me][j]])
+                offset += size
+        return [local[j] for j in range(len(self.shapes))]
+
+
+def _numel(index: tuple[torch.Tensor, ...]) -> int:
+    size = 1
+    for i in index:
+        size *= len(i)
+    return size
+
+
+def _all_to_all(pieces: list[torch.Tensor], send_splits: list[int], receive_splits: list[int], dtype: torch.dtype,
+                device: torch.device, group: dist.ProcessGroup) -> torch.Tensor:
+    """One all-to-all of the concatenated `pieces` (in destination order) with uneven splits."""
+    sent = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
+    received = torch.empty(sum(receive_splits), dtype=dtype, device=device)
+    dist.all_to_all_single(received, sent, receive_splits, send_splits, group=group)
+    return received

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from titan_async.optim.blocks import MatrixBlocks, WholeMatrix
-from titan_async.optim.full_matrix import map_full_matrices
+from titan_async.optim.full_matrix import exchange_group, map_full_matrices
 from titan_async.optim.newton_schulz import NS_DTYPES, flops, resolve_dtype
 from titan_async.optim.newton_schulz_batched import orthogonalize_all
 
@@ -35,14 +35,14 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class Muon(Optimizer):
-    """Muon for 2-D parameters (plain or FSDP2-sharded on dim 0).
+    """Muon for 2-D parameters (plain, or DTensors sharded by FSDP2, TP or both).
 
     For a parameter W with gradient G and momentum buffer B:
     B <- mu B + (1 - mu) G; M = (1 - mu) G + mu B with Nesterov, else M = B;
     W <- W - u with u = lr (O + wd W), where O's blocks (see `blocks`) are each
     orthogonalize(M_block) * lr_scale(lr_scaling, block shape). O is always computed on the
     full logical matrix (see `map_full_matrices`), never per shard: each matrix on one owner
-    rank of its FSDP group, owners balanced by Newton-Schulz FLOPs, and each rank runs one
+    rank of the ranks that shard it, owners balanced by Newton-Schulz FLOPs, and each rank runs one
     batched iteration per distinct block shape over all the blocks it holds (Q, K and V of a
     fused matrix are blocks like any other; see `orthogonalize_all`, which in float32 takes the
     cheaper Gram form for wide blocks). ns_dtype "auto" iterates in bfloat16 on CUDA and in
@@ -93,6 +93,7 @@ class Muon(Optimizer):
                 if param.ndim != 2:
                     raise ValueError(f"Muon takes 2-D parameters only; {name} has shape {tuple(param.shape)}")
                 self.blocks[param] = blocks.get(name, WholeMatrix())
+                exchange_group(param)  # creates a flattened FSDP x TP group now, while every rank builds its optimizer
 
     def lr_scales(self, param: torch.Tensor, group: Mapping[str, Any]) -> list[tuple[str, tuple[int, int], float]]:
         """(block name, block shape, lr multiplier) for each block of `param`."""

@@ -87,7 +87,6 @@ def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism, da
             "for the single-process emulation"
         )
     unsupported = {
-        "parallelism.tensor_parallel_degree > 1": parallelism.tensor_parallel_degree > 1,
         "parallelism.context_parallel_degree > 1": parallelism.context_parallel_degree > 1,
         "parallelism.pipeline_parallel_layers_per_stage (several stages per rank)": parallelism.pipeline_parallel_layers_per_stage is not None,
         "parallelism.pipeline_parallel_schedule_csv": bool(parallelism.pipeline_parallel_schedule_csv),
