@@ -39,14 +39,17 @@ pytestmark = pytest.mark.filterwarnings("ignore:DTensor random operators")  # in
 SHIPPED = sorted(CONFIGS.glob("*.toml"))
 TEN_B = CONFIGS / "10b_2bw_muon.toml"
 TEN_B_512 = CONFIGS / "10b_2bw_muon_512gpu.toml"
+SEVENTY_B = CONFIGS / "70b_2bw_muon.toml"
 _PLANS: dict[str, dict] = {}
 
 
 def cluster_of(path: Path) -> tuple[int, int]:
     """(nodes, GPUs per node) a shipped config is written for: the 10B ones on nodes of 8 GPUs, one
-    FSDP group per node (a node per stage and replica), the 1B on one node, the debug ones on one
-    GPU per process."""
+    FSDP group per node (a node per stage and replica), the 70B on 16 nodes of 8 (a stage per pair
+    of nodes, TP 8 inside each), the 1B on one node, the debug ones on one GPU per process."""
     p = load_run_config(path).parallelism
+    if path.stem.startswith("70b_"):
+        return 16, 8
     if path.stem.startswith("10b_"):
         return p.pipeline_parallel_degree * p.data_parallel_replicate_degree, 8
     if path.stem.startswith("1b_"):
@@ -190,6 +193,92 @@ def test_hsdp_with_accumulation_streams_k_x_m_microbatches_and_flushes_torch_sch
         assert flushed == {key: 2 * value for key, value in once.items()}
 
 
+def test_seventy_b_fits_128_gpus_of_80gib_strictly_and_builds_every_pipeline_ranks_stage(capsys):
+    """PP 8 x FSDP 2 x TP 8 on 16 nodes: Llama-3-70B's shape, every GPU below 80 GiB, and the first GPU
+    of each pipeline rank and the last GPU build their TP + FSDP stage and 2BW action list, each
+    holding 1/16 of its stage (TP 8 x FSDP 2) and allocating what the estimate says."""
+    result = plan_json(capsys, SEVENTY_B)
+    model, layout = result["model"], result["layout"]
+    assert (model["dim"], model["n_layers"], model["n_heads"], model["n_kv_heads"], model["vocab_size"]) == (8192, 80, 64, 8, 128256)
+    assert 70e9 <= model["parameters"] <= 71e9
+    assert (layout["pipeline_parallel"], layout["data_parallel_shard"], layout["tensor_parallel"]) == (8, 2, 8)
+    assert layout["sequence_parallel"] and layout["schedule"] == "PipeDream2BW" and layout["float8"] == "rowwise"
+    assert result["world_size"] == 128 and result["fits"] and result["peak_bytes"] <= 80 * 2**30
+    inspected = {r["rank"]: r for r in result["dry_run"]["ranks"]}
+    assert sorted(inspected) == [16 * k for k in range(8)] + [127]
+    m = layout["microbatches"]
+    for rank in inspected.values():
+        stage = rank["pp_rank"]
+        warmup = 8 - stage
+        assert rank["fsdp_wrapped"] and rank["ratio"] == pytest.approx(1, abs=0.01)
+        assert rank["local_parameters"] == pytest.approx(result["ranks"][stage]["parameters"] / 16, rel=0.01)
+        assert rank["actions"][:warmup + 1] == [f"{stage}F{k}" for k in range(warmup)] + [f"{stage}B0"]
+        assert rank["action_counts"] == {"F": 2 * m, "B": 2 * m}
+        assert rank["allocated"]["weight_versions"] == rank["allocated"]["weights"] > 0
+
+
+def test_seventy_b_block_holds_a_sixteenth_of_its_matrices_and_half_its_norms_per_gpu(capsys):
+    """By hand from Llama-3-70B's shapes: TP 8 splits every matrix of a block and leaves its two norm
+    weights whole, FSDP 2 halves both; pipeline rank 1 holds 11 blocks (L10-20)."""
+    dim, kv_dim, ffn = 8192, 8 * 128, 28672
+    matrices = 2 * dim * dim + 2 * kv_dim * dim + 3 * ffn * dim
+    per_gpu = matrices // 16 + 2 * dim // 2
+    result = plan_json(capsys, SEVENTY_B)
+    (rank,) = [r for r in result["dry_run"]["ranks"] if r["rank"] == 16]
+    assert result["ranks"][1]["stages"][0]["modules"] == [f"layers.{i}" for i in range(10, 21)]
+    assert rank["local_parameters"] == 11 * per_gpu
+    assert rank["allocated"]["weights"] == rank["estimate"]["weights"] == 11 * per_gpu * 4
+
+
+def _tp_plan(capsys) -> dict:
+    """debug_cpu_pp2_2bw (PipeDream2BW, Muon + error feedback, float32) as PP 2 x FSDP 2 x TP 2 on 8
+    processes (computed once)."""
+    if "tp" not in _PLANS:
+        code, out, err = plan(capsys, "--config", "debug_cpu_pp2_2bw", "--gpus-per-node", "8", "--json",
+                              *sets("parallelism.tensor_parallel_degree=2", "parallelism.data_parallel_shard_degree=2"))
+        assert code == 0, err
+        _PLANS["tp"] = json.loads(out)
+    return _PLANS["tp"]
+
+
+def test_tp_estimate_equals_the_dry_runs_allocation_per_component(capsys):
+    """PP 2 x FSDP 2 x TP 2: weights, the 2BW side shard and gradients to the byte; Muon's momenta,
+    AdamW's moments and error feedback's state up to their 0-dim step counters."""
+    result = _tp_plan(capsys)
+    assert result["warnings"] == [] and result["layout"]["tensor_parallel"] == 2
+    inspected = result["dry_run"]["ranks"]
+    assert [r["rank"] for r in inspected] == [0, 4, 7]
+    for rank in inspected:
+        allocated, estimate = rank["allocated"], rank["estimate"]
+        assert rank["fsdp_wrapped"]
+        for key in ("weights", "weight_versions", "gradients"):
+            assert allocated[key] == estimate[key], (rank["rank"], key)
+        for key in ("optimizer", "error_feedback"):
+            assert 0 <= allocated[key] - estimate[key] <= 1e-4 * estimate[key], (rank["rank"], key)
+
+
+def test_tp_parameters_per_gpu_by_hand(capsys):
+    """debugmodel (dim 256, 8 heads = 8 KV heads, SwiGLU hidden 768, vocabulary 2048, 6 blocks) under
+    TP 2 x FSDP 2: a block's 4 attention and 3 FFN matrices are split 4 ways, its 2 norm weights 2
+    ways (FSDP only); the embedding and the output head 4 ways, the final norm 2 ways."""
+    dim, ffn, vocab = 256, 768, 2048
+    block = (4 * dim * dim + 3 * ffn * dim) // 4 + 2 * dim // 2
+    first, last = 3 * block + vocab * dim // 4, 3 * block + dim // 2 + vocab * dim // 4
+    inspected = {r["rank"]: r for r in _tp_plan(capsys)["dry_run"]["ranks"]}
+    assert [inspected[k]["local_parameters"] for k in (0, 4, 7)] == [first, last, last]
+    assert [inspected[k]["estimate"]["weights"] for k in (0, 4, 7)] == [4 * first, 4 * last, 4 * last]
+
+
+def test_tp_communication_is_four_gathers_and_scatters_per_block_each_way_by_hand(capsys):
+    """Sequence parallelism moves a (B, L, D) float32 tensor 2 + 2 times per block in forward and 2 + 2
+    in backward, once each at the embedding or the output head: 3 x 4 + 1 of each per microbatch
+    on either stage, m = 4 microbatches of 2 x 256 tokens per step, for every schedule alike."""
+    tensor = 2 * 256 * 256 * 4
+    for row in _tp_plan(capsys)["communication"]:
+        assert row["tensor_parallel"] == [{"all_gather": 13 * 4 * tensor, "reduce_scatter": 13 * 4 * tensor}] * 2
+        assert row["busiest"]["tp_all_gather"] == 13 * 4 * tensor
+
+
 def test_fsdp_traffic_formula_with_replicas_and_accumulation():
     """n reductions per step (K for torch's schedules, 1 for 2BW, K m / a for PACI), each an
     all-gather (P c), a reduce-scatter (P g) and an all-reduce of the shard (P / f g)."""
@@ -229,7 +318,7 @@ def test_tied_weights_are_counted_once_as_training_ties_them(capsys):
 def test_text_output_has_the_memory_schedule_communication_and_dry_run_tables(capsys):
     code, out, err = plan(capsys, "--config", "debug_cpu_pp2_2bw", "--gpus-per-node", "4", *sets("parallelism.data_parallel_shard_degree=2"))
     assert code == 0 and not err
-    for text in ("Memory per GPU", "Schedules (p = 2 stages, m = 4 microbatches", "FSDP and replica communication per step", "Dry run",
+    for text in ("Memory per GPU", "Schedules (p = 2 stages, m = 4 microbatches", "FSDP, replica and TP communication per step", "Dry run",
                  "estimates only", "rank 2 actions"):
         assert text in out
 

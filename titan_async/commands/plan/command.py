@@ -42,11 +42,12 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True) -> dict[str, A
         run.check(cluster.world_size)
     except UserError as err:
         warnings.append(f"titan-async train would stop with: {err}")
+    parallelism = run.parallelism
     vocab = resolve_vocab_size(run)
     model = build_meta_model(run, vocab, fsdp=not plain_parameters(run, cluster.world_size))
     layout = make_layout(run, cluster, model.spec.model)
     setup = make_setup(run, layout, vocab, gpu)
-    shapes = stage_shapes(model.module, layout.stage_modules)
+    shapes = stage_shapes(model.module, layout.stage_modules, parallelism.tensor_parallel_degree)
     rows = estimate_ranks(layout, shapes, setup, cluster)
     for row in rows:
         if not row["fits"]:
@@ -56,7 +57,7 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True) -> dict[str, A
                 f"per GPU, more than --gpu-memory {gib(cluster.gpu_memory):.1f} GiB: it will not fit"
             )
     sizes = run.model.resolved(vocab)
-    parallelism, t = run.parallelism, run.training
+    t = run.training
     schedules = compare_schedules(layout.pipeline_stages(), layout.microbatches, layout.accumulation_steps)
     for entry in schedules:
         entry["selected"] = entry["name"].lower() == layout.schedule.lower() and layout.pipeline_stages() > 1
@@ -78,6 +79,7 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True) -> dict[str, A
             "data_parallel_shard": layout.fsdp,
             "data_parallel_replicate": parallelism.data_parallel_replicate_degree,
             "tensor_parallel": parallelism.tensor_parallel_degree,
+            "sequence_parallel": setup.sequence_parallel,
             "context_parallel": parallelism.context_parallel_degree,
             "schedule": layout.schedule,
             "microbatches": layout.microbatches,

@@ -22,6 +22,7 @@ from titan_async.commands.plan.memory import (
     held_microbatches,
     parse_size,
     rank_memory,
+    tp_traffic_bytes,
     window_microbatches,
     windows_per_step,
 )
@@ -171,22 +172,28 @@ def _owner(name: str) -> str:
     return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
 
 
-def stage_shapes(model: torch.nn.Module, modules: list[list[str]]) -> list[StageShape]:
-    """Parameter counts of each stage, routed to Muon or AdamW as the optimizer would."""
+def stage_shapes(model: torch.nn.Module, modules: list[list[str]], tp: int = 1) -> list[StageShape]:
+    """Parameter counts of each stage, routed to Muon or AdamW as the optimizer would; under
+    TP (`tp`) every matrix is split and the norm weights (1-D) are whole on each TP rank, as
+    torchtitan's llama3 plan places them."""
     counts: Counter[str] = Counter()
+    replicated: Counter[str] = Counter()
     matrices: Counter[str] = Counter()
     muon: dict[str, list[MuonMatrix]] = {}
     for route in route_parameters(model):
         owner = _owner(route.name)
         counts[owner] += route.param.numel()
+        if route.param.ndim < 2:
+            replicated[owner] += route.param.numel()
         if route.optimizer == "muon":
             matrices[owner] += route.param.numel()
             shape = tuple(route.param.shape)
             muon.setdefault(owner, []).append(MuonMatrix(shape, tuple(route.blocks.shapes(shape))))
     shapes = []
     for index, names in enumerate(modules):
-        units = [counts[n] for n in names if n not in ("norm", "lm_head")]
-        units.append(sum(counts[n] for n in names if n in ("norm", "lm_head")))
+        on_rank = {n: (counts[n] - replicated[n]) / tp + replicated[n] for n in names}
+        units = [on_rank[n] for n in names if n not in ("norm", "lm_head")]
+        units.append(sum(on_rank[n] for n in names if n in ("norm", "lm_head")))
         shapes.append(
             StageShape(
                 index=index,
@@ -197,6 +204,7 @@ def stage_shapes(model: torch.nn.Module, modules: list[list[str]]) -> list[Stage
                 largest_unit=max(units),
                 last="lm_head" in names,
                 muon_matrices=tuple(m for n in names for m in muon.get(n, [])),
+                replicated=sum(replicated[n] for n in names),
             )
         )
     return shapes
@@ -208,7 +216,9 @@ def make_setup(run: RunConfig, layout: Layout, vocab: int, gpu: bool = True) -> 
     s, p, t = run.model.resolved(vocab), run.parallelism, run.training
     muon = run.optimizer.muon
     dim, heads = int(s["dim"]), int(s["n_heads"])
-    split = p.context_parallel_degree * p.tensor_parallel_degree
+    tp = p.tensor_parallel_degree
+    sequence_parallel = p.enable_sequence_parallel and tp > 1
+    split = p.context_parallel_degree * (tp if sequence_parallel else 1)
     sequences = p.pipeline_parallel_microbatch_size if layout.pp > 1 or layout.emulated else t.local_batch_size
     compute = t.mixed_precision_param if layout.fsdp_applied else t.dtype
     return Setup(
@@ -220,7 +230,7 @@ def make_setup(run: RunConfig, layout: Layout, vocab: int, gpu: bool = True) -> 
         param_bytes=TORCH_DTYPE_MAP[t.dtype].itemsize,
         compute_bytes=TORCH_DTYPE_MAP[compute].itemsize,
         reduce_bytes=TORCH_DTYPE_MAP[t.mixed_precision_reduce].itemsize,
-        weight_shards=layout.fsdp * split if layout.fsdp_applied else 1,
+        weight_shards=layout.fsdp * p.context_parallel_degree if layout.fsdp_applied else 1,
         fsdp=layout.fsdp_applied,
         fsdp_degree=layout.fsdp,
         unsharded_for_step=layout.pp > 1,
@@ -232,7 +242,9 @@ def make_setup(run: RunConfig, layout: Layout, vocab: int, gpu: bool = True) -> 
         nesterov=muon.nesterov,
         ns_steps=muon.ns_steps,
         ns_dtype=str(resolve_dtype(muon.ns_dtype, torch.device("cuda" if gpu else "cpu"))).removeprefix("torch."),
-        muon_group=layout.fsdp * p.context_parallel_degree if layout.fsdp_applied else 1,
+        muon_group=layout.fsdp * p.context_parallel_degree * tp if layout.fsdp_applied else tp,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
         gpu=gpu,
         replicas=layout.replicas,
     )
@@ -271,17 +283,23 @@ def estimate_ranks(layout: Layout, shapes: list[StageShape], setup: Setup, clust
 
 
 def communication(layout: Layout, shapes: list[StageShape], setup: Setup, accumulation: int | None) -> list[dict[str, Any]]:
-    """FSDP and replica bytes per steady-state step of every pipeline rank, for each schedule
+    """FSDP, replica and TP bytes per steady-state step of every pipeline rank, for each schedule
     `plan` compares (`fsdp_traffic_bytes`, with this config's accumulation steps and PACI
-    `accumulation`; each rank keeps this config's stages); empty without a pipeline or without
-    data-parallel collectives."""
-    if layout.pp < 2 or not setup.fsdp or (setup.fsdp_degree < 2 and setup.replicas < 2):
+    `accumulation`, and `tp_traffic_bytes`, the same for every schedule; each rank keeps this
+    config's stages): "ranks" the FSDP and replica bytes, "tensor_parallel" the TP bytes, "busiest"
+    both of the rank moving the most (TP keys prefixed `tp_`). Empty without a pipeline or
+    without data-parallel or TP collectives."""
+    data_parallel = setup.fsdp and (setup.fsdp_degree > 1 or setup.replicas > 1)
+    if layout.pp < 2 or not (data_parallel or setup.tp > 1):
         return []
+    tensor_parallel = [tp_traffic_bytes([shapes[i] for i in indices], setup, layout.window * layout.windows_per_step)
+                       for indices in layout.rank_stages]
     rows = []
     for name in COMPARED_SCHEDULES:
         ranks = [fsdp_traffic_bytes(name, [shapes[i] for i in indices], setup, layout.microbatches,
                                     layout.accumulation_steps, accumulation)
                  for indices in layout.rank_stages]
-        busiest = max(ranks, key=lambda r: sum(r.values()))
-        rows.append({"name": name, "ranks": ranks, "busiest": busiest, "selected": name.lower() == layout.schedule.lower()})
+        moved = [{**fsdp, **{f"tp_{key}": value for key, value in tp.items()}} for fsdp, tp in zip(ranks, tensor_parallel)]
+        rows.append({"name": name, "ranks": ranks, "tensor_parallel": tensor_parallel,
+                     "busiest": max(moved, key=lambda r: sum(r.values())), "selected": name.lower() == layout.schedule.lower()})
     return rows

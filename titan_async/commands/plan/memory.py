@@ -3,10 +3,12 @@
 Per GPU, every pipeline rank's memory is made of these components (bytes); how they add up
 to its peak ("total") is said under optimizer_step:
 
-- weights: the rank's stage parameters / weight shards (FSDP x CP, and TP approximately),
-  in the parameter dtype (training.dtype). Replicas (DDP, HSDP) hold the same shards as their
-  FSDP group, which shards over data_parallel_shard_degree only: a rank's memory is that of
-  its FSDP group whatever the replicate degree.
+- weights: the rank's stage parameters in the parameter dtype (training.dtype): under TP each
+  matrix (every 2-D weight: linears, embedding, output head) is split TP ways and the norm
+  weights are whole on every TP rank (`tp_local`), and FSDP shards that TP shard over FSDP x CP.
+  Replicas (DDP, HSDP) hold the same shards as their FSDP group, which shards over
+  data_parallel_shard_degree only: a rank's memory is that of its FSDP group whatever the
+  replicate degree.
 - weight_versions: PipeDream2BW (and gradient_delay = 1) keeps a second weight version:
   one more copy of the local weights (for plain parameters the other buffer, under FSDP2 a
   side shard beside FSDP's own).
@@ -17,18 +19,20 @@ to its peak ("total") is said under optimizer_step:
   matrix and AdamW's 2 moments for everything else; parameter dtype.
 - error_feedback: one update-sized buffer per parameter when enabled.
 - fsdp_buffers: FSDP2's unsharded parameters (compute dtype) and unsharded gradients
-  (reduce dtype). On a pipeline every unit of a stage stays unsharded and its gradient
-  accumulates unsharded between reductions (torch's schedules disable gradient sync and
-  resharding until the last backward of a step; the streaming stages hold their units
-  gathered, titan_async.parallel.fsdp_stage): stage parameters x (compute + reduce bytes),
-  and PipeDream2BW keeps its other version gathered too (+ stage parameters x compute
-  bytes) on every stage but the last, which runs each backward right after its forward and
-  so never needs the older version gathered beside the newer. Without PP: the largest unit
+  (reduce dtype); under TP "unsharded" is the rank's TP shard (`tp_local`). On a pipeline
+  every unit of a stage stays unsharded and its gradient accumulates unsharded between
+  reductions (torch's schedules disable gradient sync and resharding until the last backward
+  of a step; the streaming stages hold their units gathered, titan_async.parallel.fsdp_stage):
+  stage parameters x (compute + reduce bytes), and PipeDream2BW keeps its other version
+  gathered too (+ stage parameters x compute bytes) on every stage but the last, which runs
+  each backward right after its forward and so never needs the older version gathered beside
+  the newer. Without PP: the largest unit
   gathered twice (current and prefetched) plus its unsharded gradient.
   FSDP's flat communication buffers come on top (`fsdp_flat_buffer_bytes`).
 - p2p_buffers: the streaming schedules' transport (titan_async.pipeline.transport): per
   direction of each edge at most w + 1 = p - rank receives posted ahead and as many sends
-  outstanding, each one microbatch's stage-boundary tensor (tokens x dim, compute dtype).
+  outstanding, each one microbatch's stage-boundary tensor (tokens x dim, compute dtype; under
+  sequence parallelism a (B, L / tp, D) shard).
   A sent activation is the stage output its microbatch keeps for its backward, so the
   outputs of in-flight microbatches are these send buffers. torch's own schedules' receive
   buffers are not estimated (0).
@@ -40,11 +44,13 @@ to its peak ("total") is said under optimizer_step:
   stage and, with full recomputation, one block recomputed for one microbatch.
 - optimizer_step: scratch of one optimizer step (`optimizer_step_bytes`): Muon's momenta,
   gathered full matrices, Newton-Schulz work buffers and updates, and the weight copy error
-  feedback makes around AdamW. It is alive only during the step, while the microbatches in
-  flight across it keep their activations (`held_at_step`) and FSDP keeps only a pipeline
-  stage's gathered weights (`fsdp_step_bytes`), so the peak ("total") is state + transport
-  buffers + max(activations + fsdp_buffers, those at the step + optimizer_step), with FSDP's
-  sharded gradients in the second term only.
+  feedback makes around AdamW. Muon orthogonalises each full logical matrix on one owner rank
+  of the group that holds its pieces (FSDP x CP x TP, `Setup.muon_group`). It is alive only
+  during the step, while the microbatches in flight across it keep their activations
+  (`held_at_step`) and FSDP keeps only a pipeline stage's gathered weights
+  (`fsdp_step_bytes`), so the peak ("total") is state + transport buffers +
+  max(activations + fsdp_buffers, those at the step + optimizer_step), with FSDP's sharded
+  gradients in the second term only.
 
 The first five are what a meta-device dry run allocates (`STATE_COMPONENTS`); the
 others exist only while training runs, so they are estimates only. tools/bench_plan_memory.py
@@ -115,10 +121,13 @@ class StageShape:
     """Parameters Muon takes (2-D hidden matrices); the rest gets AdamW."""
     layers: int
     largest_unit: int
-    """Parameters of its largest FSDP unit (a block, the embedding, or norm + output head)."""
+    """Parameters of its largest FSDP unit (a block, the embedding, or norm + output head) on one
+    TP rank (`stage_shapes`' `tp`)."""
     last: bool
     muon_matrices: tuple[MuonMatrix, ...] = ()
     """Its Muon matrices in parameter order (the order Muon stacks their blocks in)."""
+    replicated: int = 0
+    """Parameters every TP rank holds whole (the norm weights); TP splits the others."""
 
 
 @dataclass(frozen=True)
@@ -130,11 +139,13 @@ class Setup:
     ffn_dim: int
     vocab_size: int
     tokens: int
-    """Tokens of one microbatch on one rank (after context/sequence parallel splits)."""
+    """Tokens of one microbatch's stage-boundary tensor on one rank (after the context and
+    sequence parallel splits)."""
     param_bytes: int
     compute_bytes: int
     reduce_bytes: int
     weight_shards: int
+    """Ranks FSDP shards each TP shard over (FSDP x CP; 1 without FSDP)."""
     fsdp: bool
     fsdp_degree: int
     unsharded_for_step: bool
@@ -151,19 +162,41 @@ class Setup:
     ns_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Newton-Schulz iteration dtype on the planned device (optimizer.muon.ns_dtype resolved)."""
     muon_group: int = 1
-    """Ranks whose shards of a matrix Muon gathers to one owner (1: matrices are whole)."""
+    """Ranks whose pieces of a matrix Muon gathers to one owner, FSDP x CP x TP (1: matrices are whole)."""
+    tp: int = 1
+    """tensor_parallel_degree."""
+    sequence_parallel: bool = True
+    """Under TP, activations between blocks are split along the sequence (parallelism.enable_sequence_parallel)."""
     replicas: int = 1
     """data_parallel_replicate_degree: copies of the FSDP group, each holding the same shards."""
     gpu: bool = True
     """Planned for GPUs (NCCL); False for CPU processes (gloo)."""
 
+    @property
+    def gathered(self) -> int:
+        """Tokens each TP rank sees inside a block per boundary token: the sequence parallel
+        shard's all-gather makes tp of one (1 without sequence parallelism or TP)."""
+        return self.tp if self.sequence_parallel else 1
+
+
+def tp_local(params: float, replicated: float, setup: Setup) -> float:
+    """Parameters one TP rank holds of `params`, `replicated` of which it holds whole."""
+    return (params - replicated) / setup.tp + replicated
+
+
+def adamw_params(stage: StageShape, setup: Setup) -> float:
+    """Parameters of `stage` one rank's AdamW steps (all of them, or Muon's leftovers), after TP and FSDP."""
+    adamw = stage.params - (stage.matrix_params if setup.optimizer == "muon" else 0)
+    return tp_local(adamw, stage.replicated, setup) / setup.weight_shards
+
 
 def state_bytes(stage: StageShape, setup: Setup) -> dict[str, float]:
-    """Per-GPU bytes of the state a rank of `stage` keeps between steps (`STATE_COMPONENTS`)."""
-    local = stage.params / setup.weight_shards
+    """Per-GPU bytes of the state a rank of `stage` keeps between steps (`STATE_COMPONENTS`);
+    Muon's matrices are all split by TP."""
+    local = tp_local(stage.params, stage.replicated, setup) / setup.weight_shards
     weights = local * setup.param_bytes
     if setup.optimizer == "muon":
-        moments = (stage.matrix_params + 2 * (stage.params - stage.matrix_params)) / setup.weight_shards
+        moments = stage.matrix_params / setup.tp / setup.weight_shards + 2 * adamw_params(stage, setup)
     else:
         moments = 2 * local
     return {
@@ -181,7 +214,7 @@ def fsdp_buffer_bytes(stages: list[StageShape], setup: Setup) -> float:
     if not setup.fsdp:
         return 0.0
     if setup.unsharded_for_step:
-        unsharded = sum(s.params for s in stages) * ((1 + setup.gathered_versions) * setup.compute_bytes + setup.reduce_bytes)
+        unsharded = _tp_params(stages, setup) * ((1 + setup.gathered_versions) * setup.compute_bytes + setup.reduce_bytes)
     else:
         unsharded = max(s.largest_unit for s in stages) * (2 * setup.compute_bytes + setup.reduce_bytes)
     return unsharded + fsdp_flat_buffer_bytes(stages, setup)
@@ -204,11 +237,17 @@ def fsdp_step_bytes(stages: list[StageShape], setup: Setup) -> float:
     resharded by then: 0."""
     if not (setup.fsdp and setup.unsharded_for_step):
         return 0.0
-    return sum(s.params for s in stages) * (1 + setup.gathered_versions) * setup.compute_bytes
+    return _tp_params(stages, setup) * (1 + setup.gathered_versions) * setup.compute_bytes
 
 
-def block_activation_bytes(setup: Setup, mode: str | None = None) -> int:
-    """Bytes one transformer block keeps per token for its backward (eager torchtitan llama3).
+def _tp_params(stages: list[StageShape], setup: Setup) -> float:
+    """Parameters of `stages` on one TP rank: what FSDP gathers and reduces."""
+    return sum(tp_local(s.params, s.replicated, setup) for s in stages)
+
+
+def block_activation_bytes(setup: Setup, mode: str | None = None) -> float:
+    """Bytes one transformer block keeps per stage-boundary token for its backward (eager
+    torchtitan llama3).
 
     none: each RMSNorm keeps two float32 copies of its input (cast and normalized), 4 dim x
     4 bytes; in the compute dtype, the two normalized outputs (2 dim), q, k, v after RoPE
@@ -218,34 +257,48 @@ def block_activation_bytes(setup: Setup, mode: str | None = None) -> int:
     selective (torchtitan's per-op policy: attention and every second matmul saved): the
     block input, the wqkv, attention, w1 and w2 outputs (4 dim + 2 kv_dim + ffn_dim).
     full: the block input (dim).
+    Under TP with g = `Setup.gathered` tokens per boundary token: the norms run on the
+    boundary shard; the linears keep their all-gathered input (g x dim per normalized output);
+    q, k, v, the attention output and the SwiGLU tensors are head- or column-split (g / tp);
+    selective saves the rowwise w2's partial output whole (g x dim) and, with sequence
+    parallelism, the two reduce-scatter outputs (2 dim).
     Float8 linears count like the compute dtype: torchao's rowwise recipes save the
     high-precision inputs for their backward.
     """
     mode = mode or setup.activation_checkpoint
-    c = setup.compute_bytes
+    c, d, g = setup.compute_bytes, setup.dim, setup.gathered
+    split = g / setup.tp
     if mode == "full":
-        return c * setup.dim
+        return c * d
     if mode == "selective":
-        return c * (4 * setup.dim + 2 * setup.kv_dim + setup.ffn_dim)
-    return 16 * setup.dim + c * (4 * setup.dim + 2 * setup.kv_dim + 4 * setup.ffn_dim)
+        scattered = 2 * d if setup.tp > 1 and setup.sequence_parallel else 0
+        return c * (d + split * (2 * d + 2 * setup.kv_dim + setup.ffn_dim) + g * d + scattered)
+    return 16 * d + c * (2 * g * d + split * (2 * d + 2 * setup.kv_dim + 4 * setup.ffn_dim))
 
 
 def microbatch_activation_bytes(stage: StageShape, setup: Setup) -> float:
     """Bytes one in-flight microbatch keeps on `stage`: its blocks and, on the last stage, the
-    final norm (two float32 copies), the output head's input and the float32 log-softmax
-    that cross-entropy saves (tokens x vocab x 4)."""
+    final norm (two float32 copies), the output head's (all-gathered) input and the float32
+    log-softmax that cross-entropy saves (tokens x vocab x 4, vocabulary split by TP)."""
     per_token = stage.layers * block_activation_bytes(setup)
     if stage.last:
-        per_token += 8 * setup.dim + setup.compute_bytes * setup.dim + 4 * setup.vocab_size
+        g = setup.gathered
+        per_token += 8 * setup.dim + setup.compute_bytes * g * setup.dim + 4 * _logit_columns(setup)
     return setup.tokens * per_token
 
 
+def _logit_columns(setup: Setup) -> float:
+    """Logits one rank computes per stage-boundary token: the output head is split by vocabulary
+    under TP (torchtitan keeps the logits vocab-sharded into the loss)."""
+    return setup.gathered * setup.vocab_size / setup.tp
+
+
 def transient_activation_bytes(stages: list[StageShape], setup: Setup) -> float:
-    """Peak scratch on top of held activations: the last stage's logits (compute dtype) and
-    their float32 copy; with full recomputation, one block recomputed for one microbatch."""
+    """Peak scratch on top of held activations: the last stage's (vocab-sharded) logits (compute
+    dtype) and their float32 copy; with full recomputation, one block recomputed for one microbatch."""
     scratch = 0.0
     if any(s.last for s in stages):
-        scratch += setup.tokens * setup.vocab_size * (setup.compute_bytes + 4)
+        scratch += setup.tokens * _logit_columns(setup) * (setup.compute_bytes + 4)
     if setup.activation_checkpoint == "full" and any(s.layers for s in stages):
         scratch += setup.tokens * block_activation_bytes(setup, "none")
     return scratch
@@ -356,10 +409,9 @@ def optimizer_step_bytes(stages: list[StageShape], setup: Setup) -> float:
     peak = 0.0
     for stage in stages:
         if setup.error_feedback:
-            adamw = stage.params - (stage.matrix_params if setup.optimizer == "muon" else 0)
-            peak = max(peak, adamw / setup.weight_shards * setup.param_bytes)
+            peak = max(peak, adamw_params(stage, setup) * setup.param_bytes)
         if setup.optimizer == "muon" and stage.muon_matrices:
-            local = stage.matrix_params / setup.weight_shards
+            local = stage.matrix_params / setup.tp / setup.weight_shards
             peak = max(peak, *(muon_step_bytes(owned, local, setup) for owned in _owned_matrices(stage, setup)))
     return peak
 
@@ -419,8 +471,8 @@ def fsdp_traffic_bytes(schedule: str, stages: list[StageShape], setup: Setup, mi
                        accumulation_steps: int = 1, accumulation: int | None = None) -> dict[str, float]:
     """Bytes one rank of a pipeline stage all-gathers, reduce-scatters and all-reduces across
     replicas per steady-state step (titan_async.parallel.fsdp_traffic counts the same). With
-    n = `reductions_per_step`, P the rank's stage parameters, f the FSDP (shard) degree, r the
-    replicas, c and g the compute and reduce dtype bytes:
+    n = `reductions_per_step`, P the rank's stage parameters (on one TP rank, `tp_local`), f the
+    FSDP (shard) degree, r the replicas, c and g the compute and reduce dtype bytes:
 
         all_gather = n P c and reduce_scatter = n P g   (0 when f = 1)
         all_reduce = n (P / f) g                        (0 when r = 1)
@@ -433,7 +485,7 @@ def fsdp_traffic_bytes(schedule: str, stages: list[StageShape], setup: Setup, mi
     Drains for checkpoints and validation may add one gather of the latest 2BW version."""
     if not setup.fsdp:
         return {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
-    params = sum(s.params for s in stages)
+    params = _tp_params(stages, setup)
     n = reductions_per_step(schedule, microbatches, accumulation_steps, accumulation)
     sharded = setup.fsdp_degree > 1
     return {
@@ -441,6 +493,28 @@ def fsdp_traffic_bytes(schedule: str, stages: list[StageShape], setup: Setup, mi
         "reduce_scatter": n * params * setup.reduce_bytes if sharded else 0.0,
         "all_reduce": n * params / setup.fsdp_degree * setup.reduce_bytes if setup.replicas > 1 else 0.0,
     }
+
+
+def tp_traffic_bytes(stages: list[StageShape], setup: Setup, microbatches: int) -> dict[str, float]:
+    """Bytes one TP rank all-gathers and reduce-scatters per step for sequence parallelism, over
+    the `microbatches` (K x m) each stage runs per step, each collective counted as its full
+    (B, L, D) tensor in the compute dtype (tokens x tp x dim x c), as `fsdp_traffic_bytes` counts
+    FSDP's. Per block and microbatch: the forward all-gathers the normalized input of attention
+    and of the FFN and reduce-scatters their outputs (2 + 2), the backward does the reverse (2 + 2);
+    recomputation repeats the forward's all-gathers (full: and reduce-scatters; selective keeps
+    those). The embedding reduce-scatters its output (backward: all-gather), the last stage
+    all-gathers the output head's input (backward: reduce-scatter). 0 without TP or sequence
+    parallelism (its all-reduces are not counted)."""
+    if setup.tp < 2 or not setup.sequence_parallel:
+        return {"all_gather": 0.0, "reduce_scatter": 0.0}
+    recomputed = {"full": (2, 2), "selective": (2, 0)}.get(setup.activation_checkpoint, (0, 0))
+    gathers = scatters = 0
+    for stage in stages:
+        ends = ("tok_embeddings" in stage.modules) + stage.last
+        gathers += stage.layers * (4 + recomputed[0]) + ends
+        scatters += stage.layers * (4 + recomputed[1]) + ends
+    tensor = setup.tokens * setup.tp * setup.dim * setup.compute_bytes * microbatches
+    return {"all_gather": gathers * tensor, "reduce_scatter": scatters * tensor}
 
 
 def bubble(schedule: str, stages: int, microbatches: int) -> float:

@@ -64,7 +64,7 @@ class Table:
 def _memory_table(plan: dict[str, Any]) -> Table:
     memory = plan["gpu_memory_bytes"]
     table = Table(
-        "Memory per GPU (GiB); all GPUs of a pipeline rank hold the same (their FSDP shards); peak = state + P2P + stage in "
+        "Memory per GPU (GiB); all GPUs of a pipeline rank hold the same (their FSDP and TP shards); peak = state + P2P + stage in "
         "+ NCCL + max(act + FSDP, opt step + what the microbatches in flight and FSDP keep through it)",
         ["pp (GPUs)", "stage: modules", "params", *_HEADERS.values(), "peak", f"of {gib(memory):g} GiB"],
         [],
@@ -103,12 +103,17 @@ def _communication_table(plan: dict[str, Any]) -> Table:
         return sum(row["busiest"].values())
 
     rows = plan["communication"]
+    keys = ["all_gather", "reduce_scatter", "all_reduce"]
+    columns = ["all-gather", "reduce-scatter", "replica all-reduce"]
+    if plan["layout"]["tensor_parallel"] > 1:
+        keys += ["tp_all_gather", "tp_reduce_scatter"]
+        columns += ["TP all-gather", "TP reduce-scatter"]
     baseline = next(total(r) for r in rows if r["name"] == "1F1B")
     return Table(
-        "FSDP and replica communication per step, busiest rank (GB; steady state, the tensor bytes each collective "
-        "takes, titan_async.commands.plan.memory.fsdp_traffic_bytes)",
-        ["schedule", "all-gather", "reduce-scatter", "replica all-reduce", "total", "vs 1F1B", ""],
-        [[r["name"], *(f"{r['busiest'][key] / 1e9:.2f}" for key in ("all_gather", "reduce_scatter", "all_reduce")),
+        "FSDP, replica and TP communication per step, busiest rank (GB; steady state, the tensor bytes each collective "
+        "takes, titan_async.commands.plan.memory.fsdp_traffic_bytes and tp_traffic_bytes)",
+        ["schedule", *columns, "total", "vs 1F1B", ""],
+        [[r["name"], *(f"{r['busiest'][key] / 1e9:.2f}" for key in keys),
           f"{total(r) / 1e9:.2f}", f"{total(r) / baseline:.2f}x",
           "<- this config" if r["selected"] else ""] for r in rows],
     )
@@ -140,7 +145,8 @@ def _header(plan: dict[str, Any]) -> list[str]:
         f"model: {m['preset']}, {m['parameters']:,} parameters (dim {m['dim']}, {m['n_layers']} layers, "
         f"{m['n_heads']} heads, {m['n_kv_heads']} KV heads, FFN {m['ffn_dim']}, vocab {m['vocab_size']})",
         f"layout: PP {l['pipeline_parallel']} x FSDP {l['data_parallel_shard']} x replicate {l['data_parallel_replicate']} "
-        f"x TP {l['tensor_parallel']} x CP {l['context_parallel']}; {schedule}, {l['microbatches']} microbatch(es) "
+        f"x TP {l['tensor_parallel']}{' (sequence parallel)' if l['sequence_parallel'] else ''} x CP {l['context_parallel']}; "
+        f"{schedule}, {l['microbatches']} microbatch(es) "
         f"of {l['microbatch_tokens']} tokens per GPU{accumulated}, {l['tokens_per_step']:,} tokens per step",
         f"precision: weights {l['param_dtype']}, compute {l['compute_dtype']}, reduce {l['reduce_dtype']}"
         f"{'' if l['fsdp_applied'] else ' (no FSDP2: streaming stages without data parallelism)'}"
