@@ -20,6 +20,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import Shard, distribute_tensor  # noqa: E402
+from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig  # noqa: E402
 from torchtitan.distributed.pipeline_parallel import _split_module  # noqa: E402
 
@@ -302,6 +303,56 @@ def _fsdp_worker(rank: int, init_file: str) -> None:
 def test_fsdp2_owners_by_flops_and_update_equals_single_process(tmp_path):
     """One pair of processes: `_check_flop_balanced_owners`, then Muon + EF under FSDP2 against one process."""
     mp.spawn(_fsdp_worker, args=(str(tmp_path / "init"),), nprocs=2)
+
+
+def hand_written_muon_update(gradient: torch.Tensor) -> torch.Tensor:
+    """Muon's step for lr 1, no momentum, no weight decay, "match_rms_adamw" scaling: 5 quintic
+    Newton-Schulz steps (Keller Jordan's coefficients) on the whole matrix, scaled by 0.2 sqrt(max side)."""
+    x = gradient.T if gradient.shape[0] > gradient.shape[1] else gradient
+    x = x / x.norm()
+    for _ in range(5):
+        gram = x @ x.T
+        x = 3.4445 * x + (-4.7750 * gram + 2.0315 * gram @ gram) @ x
+    x = x.T if gradient.shape[0] > gradient.shape[1] else x
+    return x * 0.2 * math.sqrt(max(gradient.shape))
+
+
+TP_LAYOUTS = {
+    "tp colwise": ((4,), ("tp",), [Shard(0)]),
+    "tp rowwise": ((4,), ("tp",), [Shard(1)]),
+    "fsdp x tp colwise": ((2, 2), ("dp_shard", "tp"), [_StridedShard(0, split_factor=2), Shard(0)]),
+    "fsdp x tp rowwise": ((2, 2), ("dp_shard", "tp"), [Shard(0), Shard(1)]),
+}
+
+
+def _tensor_parallel_worker(rank: int, init_file: str) -> None:
+    """Every layout FSDP2 and torchtitan's TP plan give a matrix (uneven shapes included): one
+    Muon step equals the hand-written update of the full matrix, and each rank's part of the
+    update sits where `distribute_tensor` puts that rank's part."""
+    platform.configure()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        for name, (mesh_shape, dims, placements) in TP_LAYOUTS.items():
+            mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=dims)
+            uneven = [] if isinstance(placements[0], _StridedShard) else [(10, 36), (7, 5)]  # distribute_tensor needs even strides
+            for shape in [(24, 16), (12, 36), *uneven]:
+                full_gradient = torch.randn(shape, generator=generator)
+                param = nn.Parameter(distribute_tensor(torch.zeros(shape), mesh, placements))
+                param.grad = distribute_tensor(full_gradient, mesh, placements)
+                Muon([param], lr=1.0, momentum=0.0, nesterov=False, ns_dtype="float32").step()
+                expected = distribute_tensor(hand_written_muon_update(full_gradient), mesh, placements).to_local()
+                torch.testing.assert_close(-param.to_local(), expected, atol=2e-5, rtol=0, msg=f"{name} {shape} rank {rank}")
+                assert torch.allclose(-param.full_tensor(), hand_written_muon_update(full_gradient), atol=2e-5), (name, shape)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_muon_updates_tensor_parallel_weights_from_their_full_matrix(tmp_path):
+    """4 processes: TP 4 (column- and row-sharded weights) and FSDP 2 x TP 2 (the _StridedShard
+    layout FSDP2 gives a column-parallel weight) against a Newton-Schulz written here."""
+    mp.spawn(_tensor_parallel_worker, args=(str(tmp_path / "init"),), nprocs=4)
 
 
 def debug_model_stages() -> list[nn.Module]:

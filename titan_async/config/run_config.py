@@ -136,6 +136,7 @@ class RunConfig:
                 f"{self.source}: parallelism.pipeline_parallel_schedule = 'ZBVZeroBubble' cannot validate (torch's "
                 "ZBV schedule fails in eval: its V-shaped stage hand-off needs a backward); set validation.enable = false"
             )
+        self._check_tensor_parallel()
         dp = self.data_parallel_degree(world_size)
         problem = check_pipeline(t, p, dp, self.microbatches())
         problem = problem or check_activation_checkpoint(p, self.activation_checkpoint.mode)
@@ -151,6 +152,36 @@ class RunConfig:
             raise UserError(
                 f"{self.source}: training.global_batch_size ({t.global_batch_size}) must be a multiple of "
                 f"training.local_batch_size x data-parallel degree ({t.local_batch_size} x {dp})"
+            )
+
+
+    def _check_tensor_parallel(self) -> None:
+        """UserError for a tensor-parallel degree that cannot split the attention heads or,
+        under sequence parallel, the sequence."""
+        p = self.parallelism
+        tp = p.tensor_parallel_degree
+        if tp == 1:
+            return
+        try:
+            sizes = self.model.resolved(0)
+        except ValueError as err:
+            raise UserError(f"{self.source}: {err}") from None
+        for key in ("n_heads", "n_kv_heads"):
+            if sizes[key] % tp:
+                raise UserError(
+                    f"{self.source}: parallelism.tensor_parallel_degree ({tp}) must divide model.{key} ({sizes[key]}): "
+                    "each tensor-parallel rank holds whole heads"
+                )
+        if p.enable_sequence_parallel and self.training.seq_len % tp:
+            raise UserError(
+                f"{self.source}: training.seq_len ({self.training.seq_len}) must be divisible by "
+                f"parallelism.tensor_parallel_degree ({tp}) under parallelism.enable_sequence_parallel = true "
+                "(each rank holds seq_len / tp positions)"
+            )
+        if p.emulated_stages:
+            raise UserError(
+                f"{self.source}: parallelism.emulated_stages runs every stage in one process; "
+                f"set parallelism.tensor_parallel_degree = 1 (got {tp})"
             )
 
 

@@ -71,7 +71,7 @@ def map_full_matrices(
         batches.setdefault((id(group), part.dtype), (group, []))[1].append(i)
     exchanges = []
     for group, indices in batches.values():
-        exchange = _Exchange(group, [layouts[i] for i in indices], [costs[i] for i in indices], parts[indices[0]].device)
+        exchange = _exchange(group, [layouts[i] for i in indices], [costs[i] for i in indices], parts[indices[0]].device)
         held.update(zip([indices[j] for j in exchange.mine], exchange.gather([parts[i] for i in indices])))
         exchanges.append((indices, exchange))
     computed = dict(zip(held, fn(list(held), list(held.values()))))
@@ -111,6 +111,18 @@ def _grid(index: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """`index` as broadcastable advanced indices: M[_grid(index)] is the part, of shape (len(i_0), len(i_1), ...)."""
     n = len(index)
     return tuple(i.view([-1 if d == k else 1 for d in range(n)]) for k, i in enumerate(index))
+
+
+_EXCHANGES: dict[tuple, _Exchange] = {}
+
+
+def _exchange(group: dist.ProcessGroup, layouts: list[DTensor], costs: list[float], device: torch.device) -> _Exchange:
+    """The `_Exchange` of these matrices, built once per (group, shapes, placements, costs, device)."""
+    key = (group.group_name, tuple((tuple(l.shape), tuple(l.placements), tuple(l.device_mesh.mesh.flatten().tolist())) for l in layouts),
+           tuple(costs), device)
+    if key not in _EXCHANGES:
+        _EXCHANGES[key] = _Exchange(group, layouts, costs, device)
+    return _EXCHANGES[key]
 
 
 class _Exchange:

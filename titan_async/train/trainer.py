@@ -181,6 +181,7 @@ class AsyncTrainer(Trainer):
         self.stream: StreamEngine | None = None
         self.delay: OneStepDelay | None = None
         self.timeline = None
+        self.stage_group = self._stage_group()
         policies = self._attach_weight_policies()
         paci = any(isinstance(policy, LocalAccumulation) for policy, _ in policies.values())
         if paci and isinstance(config.activation_checkpoint, FullAC.Config):
@@ -192,6 +193,22 @@ class AsyncTrainer(Trainer):
             self.checkpointer.states["weight_versions"] = WeightVersionState(policies, self)
             if any(isinstance(policy, TwoVersions) for policy, _ in policies.values()):
                 self.checkpointer.states[MODEL] = LiveModelState(self.model_parts)
+
+    def _stage_group(self) -> dist.ProcessGroup | None:
+        """The ranks that decide a stage's update together: under a streaming schedule those that
+        hold this rank's stage (its data-parallel and tensor-parallel ranks), else the data-parallel
+        ranks; None for one rank. Collective over the world: pp is the outermost dimension of
+        torchtitan's mesh, so stage s holds ranks [s * n, (s + 1) * n)."""
+        dims = self.parallel_dims
+        if dims.world_size == 1:
+            return None
+        if not isinstance(getattr(self, "pp_schedule", None), StreamingSchedule):
+            return self.parallel_dims.get_mesh("batch").get_group() if dims.dp_enabled else None
+        n = dims.world_size // dims.pp
+        if n == 1:
+            return None
+        group, _ = dist.new_subgroups_by_enumeration([list(range(s * n, (s + 1) * n)) for s in range(dims.pp)])
+        return group
 
     def _attach_weight_policies(self) -> dict[int, tuple[Any, list[str]]]:
         """Stage -> (weight policy, parameter names) of a streaming schedule, its emulation,
@@ -261,10 +278,9 @@ class AsyncTrainer(Trainer):
         (`skips_on_device`), so a stage stepping inside a window never waits for the device."""
         optimizers = [self.optimizers.optimizers[i] for i in indices]
         params = [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
-        stage_group = self.parallel_dims.get_mesh("batch").get_group() if self.parallel_dims.dp_enabled else None
         on_device = all(skips_on_device(optimizer) for optimizer in optimizers)
-        found_inf = self.health.found_nonfinite(self.step, stage, params, group=stage_group) if on_device else None
-        if on_device or self.health.allow_update(self.step, stage, params, group=stage_group):
+        found_inf = self.health.found_nonfinite(self.step, stage, params, group=self.stage_group) if on_device else None
+        if on_device or self.health.allow_update(self.step, stage, params, group=self.stage_group):
             self.stage_grad_norms[stage] = dist_utils.clip_grad_norm_(params, self.config.training.max_norm, foreach=True)
             for optimizer in optimizers:
                 optimizer.found_inf = found_inf

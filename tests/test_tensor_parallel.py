@@ -1,0 +1,138 @@
+"""Tensor parallelism (torchtitan's llama3 plan, with sequence parallel) inside PipeDream2BW and
+PACI stages.
+
+TP ranks read the same sequences, so a PP 2 x TP 2 run sees the batches of one process without
+a pipeline: 2BW equals the delayed-gradient reference (`training.gradient_delay = 1`, no TP, no
+pipeline), PACI equals the single-process emulation of its update timing, both within 1e-5
+relative (TP only reorders sums). With Muon the reference orthogonalises each whole matrix in
+one process, so equality also checks that a TP-sharded (and FSDP x TP-sharded) weight is
+updated from its full logical matrix.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import nccl_model
+from conftest import CONFIGS, cli_in_process, metrics, run_cli, sets
+from test_fsdp_schedules import train
+from titan_async.config.run_config import load_run_config
+from titan_async.core.errors import UserError
+from test_schedules import EXACT, STEPS, assert_close_weights, assert_same_run, final_weights
+
+ONE_PROCESS = ("--config", str(CONFIGS / "debug_cpu.toml"), "--nproc-per-node", "1")
+PP2_TP2 = ("--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--nproc-per-node", "4")
+TP2 = "parallelism.tensor_parallel_degree=2"
+MICROBATCH = 2
+TRAIN = (f"parallelism.pipeline_parallel_microbatch_size={MICROBATCH}",)
+MUON_EF = ("optimizer.name=muon", "optimizer.lr=0.02", "optimizer.error_feedback.enabled=true")
+PACI = ("parallelism.pipeline_parallel_schedule=PACI", "parallelism.paci.accumulation=2")
+
+
+def setting(key: str) -> str:
+    """The value `EXACT` gives `key`."""
+    return next(a.partition("=")[2] for a in EXACT if a.startswith(f"{key}="))
+
+
+@pytest.fixture(scope="module")
+def two_bw(tmp_path_factory):
+    """(delayed reference, PP 2 x TP 2 PipeDream2BW run), AdamW."""
+    root = tmp_path_factory.mktemp("tp_2bw")
+    reference = train(root / "delay", *TRAIN, "training.gradient_delay=1", layout=ONE_PROCESS)
+    return reference, train(root / "2bw", *TRAIN, "parallelism.pipeline_parallel_schedule=PipeDream2BW", TP2, layout=PP2_TP2)
+
+
+@pytest.fixture(scope="module")
+def paci(tmp_path_factory):
+    """(single-process emulation, PP 2 x TP 2 PACI run), Muon + error feedback."""
+    root = tmp_path_factory.mktemp("tp_paci")
+    emulated = train(root / "emulated", *TRAIN, *PACI, *MUON_EF, "parallelism.emulated_stages=2", layout=ONE_PROCESS)
+    return emulated, train(root / "paci", *TRAIN, *PACI, *MUON_EF, TP2, layout=PP2_TP2)
+
+
+def test_2bw_with_tensor_parallel_equals_the_delayed_reference(two_bw):
+    reference, pipelined = two_bw
+    assert_same_run(reference, pipelined)
+    assert_close_weights(final_weights(pipelined), final_weights(reference))
+    nccl_model.assert_nccl_safe(pipelined / "comm", stages=2, ranks_per_stage=2)
+
+
+def test_paci_with_tensor_parallel_and_muon_equals_its_emulation(paci):
+    emulated, pipelined = paci
+    assert_same_run(emulated, pipelined)
+    assert_close_weights(final_weights(pipelined), final_weights(emulated))
+    nccl_model.assert_nccl_safe(pipelined / "comm", stages=2, ranks_per_stage=2)
+
+
+def test_stages_send_sequence_parallel_shards_and_log_tp_collectives(two_bw):
+    """Under sequence parallel a stage sends its (B, L/tp, D) shard of the activations, and the
+    TP collectives (all-gather and reduce-scatter inside each stage's TP pair) are in the log
+    that the NCCL model replays."""
+    _, pipelined = two_bw
+    logs = nccl_model.read_logs(pipelined / "comm")
+    shard_bytes = MICROBATCH * int(setting("training.seq_len")) // 2 * int(setting("model.dim")) * 4
+    for rank, peer in ((0, 2), (1, 3)):
+        activations = [r["bytes"] for r in logs[rank] if r["op"] == "send" and r["peer"] == peer]
+        assert activations and set(activations[1:]) == {shard_bytes}, (rank, set(activations))  # the first is the header
+    for rank, records in logs.items():
+        groups = {r["group"]: r["ranks"] for r in records if r["op"] == "group"}
+        tp_pair = [rank - rank % 2, rank - rank % 2 + 1]
+        kinds = {r["kind"] for r in records if r["op"] == "coll" and groups[r["group"]] == tp_pair}
+        assert {"all_gather_into_tensor", "reduce_scatter_tensor"} <= kinds, (rank, kinds)
+
+
+def resumed_from_the_middle(run, destination):
+    """A copy of `run` cut back to its step-3 checkpoint (later checkpoint and metrics removed), resumed to the end."""
+    shutil.copytree(run, destination, ignore=shutil.ignore_patterns("comm"))
+    shutil.rmtree(destination / "checkpoint" / f"step-{STEPS}")
+    log = destination / "metrics.jsonl"
+    log.write_text("".join(line + "\n" for line in log.read_text().splitlines() if json.loads(line)["step"] <= 3))
+    run_cli("resume", "--run-dir", str(destination))
+    return destination
+
+
+@pytest.mark.parametrize("runs", ["two_bw", "paci"])
+def test_tensor_parallel_streaming_run_resumes_exactly(runs, request, tmp_path):
+    _, pipelined = request.getfixturevalue(runs)
+    resumed = resumed_from_the_middle(pipelined, tmp_path / "resumed")
+    assert max(metrics(resumed)) == STEPS
+    assert_same_run(pipelined, resumed, rel=1e-6)
+    assert_close_weights(final_weights(resumed), final_weights(pipelined))
+
+
+def test_2bw_muon_on_fsdp_times_tensor_parallel_equals_the_delayed_reference(tmp_path):
+    """PP 2 x FSDP 2 x TP 2 (8 processes): Muon gathers each matrix over the flattened FSDP x TP group.
+    Losses agree to 1e-5; the final weights to 5e-5, since TP and FSDP sum in another order and
+    Newton-Schulz amplifies float32 rounding (measured 1.3e-5 on one matrix). One step of
+    orthogonalising the wrong matrix moves a weight by about lr = 2e-2 of its scale."""
+    fsdp2 = ("--config", str(CONFIGS / "debug_cpu_fsdp2.toml"), "--nproc-per-node", "2")
+    reference = train(tmp_path / "delay", *TRAIN, "training.gradient_delay=1", *MUON_EF, layout=fsdp2)
+    pipelined = train(tmp_path / "2bw", *TRAIN, "parallelism.pipeline_parallel_schedule=PipeDream2BW", *MUON_EF, TP2,
+                      layout=("--config", str(CONFIGS / "debug_cpu_pp2_fsdp2.toml"), "--nproc-per-node", "8"))
+    assert_same_run(reference, pipelined)
+    assert_close_weights(final_weights(pipelined), final_weights(reference), rel=5e-5)
+    nccl_model.assert_nccl_safe(pipelined / "comm", stages=2, ranks_per_stage=4)
+
+
+@pytest.mark.parametrize("assignments, named", [
+    (["model.n_heads=6", "model.dim=96"], "parallelism.tensor_parallel_degree (4) must divide model.n_heads (6)"),
+    (["model.n_kv_heads=2"], "parallelism.tensor_parallel_degree (4) must divide model.n_kv_heads (2)"),
+    (["training.seq_len=62"], "training.seq_len (62) must be divisible by parallelism.tensor_parallel_degree (4)"),
+])
+def test_a_bad_tensor_parallel_layout_is_one_line_naming_the_keys(tmp_path, capsys, assignments, named):
+    status, out, err = cli_in_process(capsys, "train", "--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--nproc-per-node", "8",
+                                      "--run-dir", str(tmp_path / "run"),
+                                      *sets("parallelism.pipeline_parallel_schedule=PipeDream2BW",
+                                            "parallelism.tensor_parallel_degree=4", *assignments))
+    assert status == 2 and named in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_single_process_emulation_refuses_tensor_parallel():
+    run = load_run_config(CONFIGS / "debug_cpu.toml", ["parallelism.pipeline_parallel_schedule=PACI", "parallelism.emulated_stages=2",
+                                                       "parallelism.tensor_parallel_degree=2"])
+    with pytest.raises(UserError, match=r"emulated_stages runs every stage in one process; set parallelism.tensor_parallel_degree = 1"):
+        run.check(2)
