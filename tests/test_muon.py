@@ -26,7 +26,7 @@ from torchtitan.distributed.pipeline_parallel import _split_module  # noqa: E402
 
 from titan_async.model.llama import ModelSection, build_model_spec  # noqa: E402
 from titan_async.optim import ErrorFeedback, Muon, RoutedOptimizersContainer  # noqa: E402
-from titan_async.optim.blocks import FusedQKVBlocks  # noqa: E402
+from titan_async.optim.blocks import ExpertBlocks, FusedQKVBlocks  # noqa: E402
 from titan_async.optim import newton_schulz_batched  # noqa: E402
 from titan_async.optim.full_matrix import assign_owners, map_full_matrices  # noqa: E402
 from titan_async.optim.newton_schulz import COEFFICIENTS, flops, gram_form, orthogonalize, resolve_dtype  # noqa: E402
@@ -317,6 +317,20 @@ def hand_written_muon_update(gradient: torch.Tensor) -> torch.Tensor:
     return x * 0.2 * math.sqrt(max(gradient.shape))
 
 
+def test_muon_orthogonalises_each_expert_of_a_stack_on_its_own():
+    torch.manual_seed(0)
+    experts = torch.randn(4, 6, 10)
+    param = nn.Parameter(torch.zeros_like(experts))
+    param.grad = experts.clone()
+    muon = Muon([{"params": [param], "param_names": ["layers.0.moe.routed_experts.inner_experts.w2_EDF"]}], lr=1.0, momentum=0.0,
+                nesterov=False, ns_dtype="float32", blocks={"layers.0.moe.routed_experts.inner_experts.w2_EDF": ExpertBlocks(4)})
+    muon.step()
+    expected = torch.stack([hand_written_muon_update(matrix) for matrix in experts])
+    torch.testing.assert_close(-param.detach(), expected, atol=2e-6, rtol=0)
+    with pytest.raises(ValueError, match="3-D with ExpertBlocks"):
+        Muon([nn.Parameter(torch.zeros(2, 3, 4))], lr=1.0)
+
+
 TP_LAYOUTS = {
     "tp colwise": ((4,), ("tp",), [Shard(0)]),
     "tp rowwise": ((4,), ("tp",), [Shard(1)]),
@@ -345,13 +359,22 @@ def _tensor_parallel_worker(rank: int, init_file: str) -> None:
                 expected = distribute_tensor(hand_written_muon_update(full_gradient), mesh, placements).to_local()
                 torch.testing.assert_close(-param.to_local(), expected, atol=2e-5, rtol=0, msg=f"{name} {shape} rank {rank}")
                 assert torch.allclose(-param.full_tensor(), hand_written_muon_update(full_gradient), atol=2e-5), (name, shape)
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("efsdp",))
+        experts = torch.randn((8, 12, 16), generator=generator)
+        param = nn.Parameter(distribute_tensor(torch.zeros(experts.shape), mesh, [Shard(0)]))
+        param.grad = distribute_tensor(experts, mesh, [Shard(0)])
+        Muon([{"params": [param], "param_names": ["w1_EFD"]}], lr=1.0, momentum=0.0, nesterov=False, ns_dtype="float32",
+             blocks={"w1_EFD": ExpertBlocks(8)}).step()
+        expected = torch.stack([hand_written_muon_update(matrix) for matrix in experts])
+        torch.testing.assert_close(-param.full_tensor(), expected, atol=2e-5, rtol=0, msg=f"experts sharded by expert, rank {rank}")
     finally:
         dist.destroy_process_group()
 
 
 def test_muon_updates_tensor_parallel_weights_from_their_full_matrix(tmp_path):
-    """4 processes: TP 4 (column- and row-sharded weights) and FSDP 2 x TP 2 (the _StridedShard
-    layout FSDP2 gives a column-parallel weight) against a Newton-Schulz written here."""
+    """4 processes: TP 4 (column- and row-sharded weights), FSDP 2 x TP 2 (the _StridedShard
+    layout FSDP2 gives a column-parallel weight) and a stack of expert matrices sharded by
+    expert, against a Newton-Schulz written here (per expert for the stack)."""
     mp.spawn(_tensor_parallel_worker, args=(str(tmp_path / "init"),), nprocs=4)
 
 

@@ -25,6 +25,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from titan_async.core import platform
 from titan_async.model.attention import DenseDocumentAttention
+from titan_async.model.qwen3_moe import MOE_PRESETS, build_qwen3_moe_model, qwen3_moe_spec
 
 # Sizes of torchtitan's llama3 flavors; "vocab_size" 0 means "the tokenizer's".
 PRESETS: dict[str, dict[str, object]] = {
@@ -42,8 +43,12 @@ PRESETS: dict[str, dict[str, object]] = {
 class ModelSection:
     """Model shape. Fields left at -1 take the preset's value."""
 
+    family: Literal["llama3", "qwen3_moe"] = "llama3"
+    """llama3: dense Llama 3 blocks; qwen3_moe: mixture-of-experts blocks (torchtitan's Qwen3 MoE,
+    `titan_async.model.qwen3_moe`), which have presets of their own."""
     preset: str = "debugmodel"
-    """Starting sizes: debugmodel, 1B, 3B, 8B, 70B (torchtitan's llama3 flavors) or 10B."""
+    """Starting sizes: llama3: debugmodel, 1B, 3B, 8B, 70B (torchtitan's llama3 flavors) or 10B;
+    qwen3_moe: debugmodel."""
     dim: int = -1
     """Hidden size."""
     n_layers: int = -1
@@ -64,15 +69,29 @@ class ModelSection:
     """RoPE base frequency."""
     attention: Literal["auto", "flex", "varlen", "dense"] = "auto"
     """auto: FlexAttention on CUDA, dense per-document SDPA on CPU (which has no Flex backward)."""
+    num_experts: int = -1
+    """qwen3_moe: routed experts per block."""
+    top_k: int = -1
+    """qwen3_moe: experts each token is routed to."""
+    moe_hidden_dim: int = -1
+    """qwen3_moe: hidden size of each expert's SwiGLU."""
+    load_balance_coeff: float = 1e-3
+    """qwen3_moe: step of the auxiliary-loss-free expert-bias update at each optimizer step
+    (0: no load balancing)."""
     float8: Literal["none", "rowwise", "rowwise_with_gw_hp"] = "none"
     """Float8 linear layers through torchao (the output head stays in high precision); needs SM89+,
     emulated (same recipe) on machines without CUDA (slow, eager only; for testing)."""
 
     def resolved(self, tokenizer_vocab_size: int) -> dict[str, object]:
         """All sizes after applying the preset and the tokenizer's vocabulary."""
-        if self.preset not in PRESETS:
-            raise ValueError(f"model.preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
-        sizes = dict(PRESETS[self.preset])
+        presets = MOE_PRESETS if self.family == "qwen3_moe" else PRESETS
+        if self.preset not in presets:
+            raise ValueError(f"model.preset must be one of {sorted(presets)} for model.family = {self.family!r}, got {self.preset!r}")
+        if self.family != "qwen3_moe":
+            for key in ("num_experts", "top_k", "moe_hidden_dim"):
+                if getattr(self, key) != -1:
+                    raise ValueError(f"model.{key} applies to model.family = \"qwen3_moe\" only (this model is {self.family!r})")
+        sizes = dict(presets[self.preset])
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name in sizes and value not in (-1, "preset"):
@@ -81,6 +100,8 @@ class ModelSection:
             sizes["vocab_size"] = tokenizer_vocab_size
         if sizes["n_kv_heads"] == 0:
             sizes["n_kv_heads"] = sizes["n_heads"]
+        if self.family == "qwen3_moe" and not 1 <= sizes["top_k"] <= sizes["num_experts"]:
+            raise ValueError(f"model.top_k ({sizes['top_k']}) must be between 1 and model.num_experts ({sizes['num_experts']})")
         return sizes
 
 
@@ -113,6 +134,8 @@ def build_model_spec(section: ModelSection, tokenizer_vocab_size: int, fsdp: boo
     if n_heads % s["n_kv_heads"]:
         raise ValueError(f"model.n_heads ({n_heads}) must be divisible by model.n_kv_heads ({s['n_kv_heads']})")
     backend = _inner_attention_backend(section.attention)
+    if section.family == "qwen3_moe":
+        return _moe_model_spec(section, s, backend, fsdp)
     layers = _build_llama3_layers(
         fuse_qkv=True,
         n_layers=s["n_layers"],
@@ -142,9 +165,7 @@ def build_model_spec(section: ModelSection, tokenizer_vocab_size: int, fsdp: boo
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_output_linear_init(dim)),
         layers=layers,
     )
-    if backend == "dense":
-        for _, _, parent, attr in list(config.traverse(VarlenAttention.Config)):
-            setattr(parent, attr, DenseDocumentAttention.Config())
+    _use_dense_attention(config, backend)
     if section.float8 != "none":
         converter = Float8LinearConverter.Config(
             recipe_name=section.float8, filter_fqns=["lm_head"], emulate=platform.is_cpu(), model_compile_enabled=compiled
@@ -162,3 +183,20 @@ def build_model_spec(section: ModelSection, tokenizer_vocab_size: int, fsdp: boo
         state_dict_adapter=Llama3StateDictAdapter,
     )
 
+
+
+def _use_dense_attention(config, backend: str) -> None:
+    """With the "dense" backend, replace every varlen attention of `config` by per-document SDPA."""
+    if backend == "dense":
+        for _, _, parent, attr in list(config.traverse(VarlenAttention.Config)):
+            setattr(parent, attr, DenseDocumentAttention.Config())
+
+
+def _moe_model_spec(section: ModelSection, sizes: dict[str, object], backend: str, fsdp: bool) -> ModelSpec:
+    """The ModelSpec of a qwen3_moe `section` (float8 is not offered for experts yet)."""
+    if section.float8 != "none":
+        raise ValueError(f"model.float8 = {section.float8!r} is not supported with model.family = \"qwen3_moe\"; set it to \"none\"")
+    config = build_qwen3_moe_model(sizes, section.rope_theta, section.load_balance_coeff,
+                                   "varlen" if backend == "dense" else backend)
+    _use_dense_attention(config, backend)
+    return qwen3_moe_spec(config, section.preset, **({} if fsdp else {"parallelize_fn": parallelize_without_fsdp}))

@@ -1,4 +1,5 @@
-"""How one parameter matrix splits into the matrices Muon orthogonalises separately."""
+"""How one parameter (a matrix, or a stack of expert matrices) splits into the matrices Muon
+orthogonalises separately."""
 
 from __future__ import annotations
 
@@ -80,3 +81,23 @@ class FusedQKVBlocks:
         rows, cols = shape
         kv_rows = rows // (self.heads_per_kv + 2)
         return [(kv_rows * self.heads_per_kv, cols), (kv_rows, cols), (kv_rows, cols)]
+
+
+@dataclass(frozen=True)
+class ExpertBlocks:
+    """A mixture-of-experts weight (experts, rows, cols): each expert's matrix is one block."""
+
+    experts: int
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f"expert{i}" for i in range(self.experts))
+
+    def split(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return list(tensor.unbind(0))
+
+    def merge(self, blocks: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(blocks)
+
+    def shapes(self, shape: tuple[int, int, int]) -> list[tuple[int, int]]:
+        return [tuple(shape[1:])] * shape[0]

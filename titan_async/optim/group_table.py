@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 from torch.optim import Optimizer
 
+from titan_async.optim.blocks import ExpertBlocks
 from titan_async.optim.error_feedback import ErrorFeedback
 from titan_async.optim.muon import Muon
 
@@ -42,7 +43,10 @@ def param_group_rows(optimizers: Iterable[Optimizer]) -> list[GroupRow]:
         for group in base.param_groups:
             lr = float(group.get("initial_lr", group["lr"]))
             for name, param in zip(group["param_names"], group["params"]):
-                if isinstance(base, Muon):
+                if isinstance(base, Muon) and isinstance(base.blocks[param], ExpertBlocks):
+                    (_, shape, scale), *_ = base.lr_scales(param, group)  # every expert has the same shape
+                    rows.append(GroupRow(f"{name}[per expert]", tuple(param.shape), kind, lr * scale, coefficient))
+                elif isinstance(base, Muon):
                     for block, shape, scale in base.lr_scales(param, group):
                         label = f"{name}[{block}]" if block else name
                         rows.append(GroupRow(label, shape, kind, lr * scale, coefficient))

@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from titan_async.optim.blocks import MatrixBlocks, WholeMatrix
+from titan_async.optim.blocks import ExpertBlocks, MatrixBlocks, WholeMatrix
 from titan_async.optim.full_matrix import exchange_group, map_full_matrices
 from titan_async.optim.newton_schulz import NS_DTYPES, flops, resolve_dtype
 from titan_async.optim.newton_schulz_batched import orthogonalize_all
@@ -35,7 +35,8 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class Muon(Optimizer):
-    """Muon for 2-D parameters (plain, or DTensors sharded by FSDP2, TP or both).
+    """Muon for 2-D parameters and 3-D stacks of expert matrices (plain, or DTensors sharded by
+    FSDP2, TP or both).
 
     For a parameter W with gradient G and momentum buffer B:
     B <- mu B + (1 - mu) G; M = (1 - mu) G + mu B with Nesterov, else M = B;
@@ -90,9 +91,9 @@ class Muon(Optimizer):
         for group in self.param_groups:
             names = group.get("param_names") or [None] * len(group["params"])
             for name, param in zip(names, group["params"]):
-                if param.ndim != 2:
-                    raise ValueError(f"Muon takes 2-D parameters only; {name} has shape {tuple(param.shape)}")
                 self.blocks[param] = blocks.get(name, WholeMatrix())
+                if param.ndim != 2 and not (param.ndim == 3 and isinstance(self.blocks[param], ExpertBlocks)):
+                    raise ValueError(f"Muon takes 2-D parameters (3-D with ExpertBlocks) only; {name} has shape {tuple(param.shape)}")
                 exchange_group(param)  # creates a flattened FSDP x TP group now, while every rank builds its optimizer
 
     def lr_scales(self, param: torch.Tensor, group: Mapping[str, Any]) -> list[tuple[str, tuple[int, int], float]]:

@@ -13,7 +13,7 @@ import torch.nn as nn
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.models.common.attention import FusedQKVLinear
 
-from titan_async.optim.blocks import FusedQKVBlocks, MatrixBlocks, WholeMatrix
+from titan_async.optim.blocks import ExpertBlocks, FusedQKVBlocks, MatrixBlocks, WholeMatrix
 
 WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
 """Name segments that wrappers (activation checkpointing, FSDP1, torch.compile) insert."""
@@ -41,9 +41,11 @@ def canonical_name(name: str) -> str:
 def route_parameters(model: nn.Module) -> list[Route]:
     """A route for every trainable parameter of `model` (a whole model or one pipeline stage).
 
-    Muon: 2-D parameters other than embeddings and the output head. AdamW: embeddings
+    Muon: 2-D parameters other than embeddings and the output head, and MoE experts' 3-D
+    weights (each expert's matrix on its own). AdamW: embeddings
     (`tok_embeddings`, any nn.Embedding), the output head (`lm_head`/`output`), and every
-    parameter that is not 2-D (norms, biases). A fused `wqkv.weight` gets its Q, K, V blocks.
+    other parameter that is not 2-D (norms, biases), and MoE routers' gates.
+    A fused `wqkv.weight` gets its Q, K, V blocks.
     """
     embeddings = {canonical_name(n) for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
     fused_qkv = {
@@ -57,14 +59,20 @@ def route_parameters(model: nn.Module) -> list[Route]:
             continue
         name = canonical_name(raw_name)
         top = name.split(".")[0]
-        if param.ndim != 2:
+        if param.ndim == 3 and name.rpartition(".")[0].endswith("inner_experts"):
+            optimizer, reason = "muon", "MoE experts"
+        elif param.ndim != 2:
             optimizer, reason = "adamw", "not a matrix"
+        elif ".router." in f".{name}":
+            optimizer, reason = "adamw", "MoE router"
         elif top in EMBEDDING_NAMES or name.rpartition(".")[0] in embeddings:
             optimizer, reason = "adamw", "embedding"
         elif top in HEAD_NAMES:
             optimizer, reason = "adamw", "output head"
         else:
             optimizer, reason = "muon", "hidden matrix"
-        blocks = fused_qkv.get(name, WholeMatrix()) if optimizer == "muon" else WholeMatrix()
+        blocks = WholeMatrix()
+        if optimizer == "muon":
+            blocks = ExpertBlocks(param.shape[0]) if param.ndim == 3 else fused_qkv.get(name, WholeMatrix())
         routes.append(Route(name=name, param=param, optimizer=optimizer, reason=reason, blocks=blocks))
     return routes

@@ -57,6 +57,8 @@ class StageExecutor:
         self.policy = policy
         self.loss_fn = loss_fn
         self.timeline = timeline
+        self.balance = None
+        """The stage's `StageLoadBalance` when it has MoE blocks that balance their load."""
         self.in_flight: dict[int, _InFlight] = {}
         self.updates_at_forward: dict[int, int] = {}
         self.crossed: list[int] = []
@@ -92,10 +94,14 @@ class StageExecutor:
             stage_input = microbatch.args[0]
         else:
             stage_input = self.transport.recv(ACTIVATION, k).requires_grad_(True)
+        if self.balance:
+            self.balance.before_forward()
         with self.timeline.action(f"{self.stage}F{k}"):
             output = self.module(stage_input, **microbatch.kwargs)
             if self.is_last:
                 output = self.loss_fn(output, microbatch.target, **loss_kwargs)
+        if self.balance:
+            self.balance.after_forward(k)
         self.in_flight[k] = _InFlight(stage_input, output)
         self.updates_at_forward[k] = self.policy.updates
         if self.is_last:
@@ -111,6 +117,8 @@ class StageExecutor:
             torch.autograd.backward(entry.output, grad)
         if not self.is_first:
             self.transport.send(GRADIENT, k, entry.stage_input.grad)
+        if self.balance:
+            self.balance.after_backward(k)
         self.crossed.append(self.policy.updates - self.updates_at_forward.pop(k))
         completed = self.policy.after_backward(k)
         if completed is not None:

@@ -20,6 +20,7 @@ from torch.autograd import _unsafe_preserve_version_counter
 from torch.distributed.tensor import DTensor
 
 from titan_async.parallel.fsdp_stage import FsdpStage
+from titan_async.pipeline.load_balance import versioned_tensors
 
 
 @contextmanager
@@ -342,9 +343,13 @@ class LocalAccumulation:
 
 
 def two_versions(module: torch.nn.Module, microbatches: int, stage: FsdpStage | None = None):
-    """PipeDream-2BW's versions of `module`'s parameters: sharded when `stage` (its FSDP units) is given."""
-    params = list(module.parameters())
-    return ShardedTwoVersions(params, microbatches, stage) if stage else TwoVersions(params, microbatches)
+    """PipeDream-2BW's versions of `module`'s parameters (and MoE expert biases,
+    `load_balance.versioned_tensors`): sharded when `stage` (its FSDP units) is given."""
+    if stage:
+        if len(list(versioned_tensors(module))) != len(list(module.parameters())):
+            raise NotImplementedError("PipeDream2BW keeps MoE expert biases in its weight versions without FSDP only")
+        return ShardedTwoVersions(list(module.parameters()), microbatches, stage)
+    return TwoVersions([tensor for _, tensor in versioned_tensors(module)], microbatches)
 
 
 def make_policy(schedule: str, module: torch.nn.Module, microbatches: int, accumulation: int | None, hold_gathered: bool = False):

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.checkpointer.base import LR_SCHEDULER, MODEL, OPTIMIZER, ModelWrapper
 from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.components.optimizer import register_moe_load_balancing_hook
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.tools.logging import logger
@@ -41,6 +42,7 @@ from titan_async.parallel.fsdp_traffic import count_fsdp_traffic
 from titan_async.pipeline.config import microbatches
 from titan_async.pipeline.emulation import stage_modules, stage_view
 from titan_async.pipeline.executor import Microbatch, StageExecutor
+from titan_async.pipeline.load_balance import DelayedLoadBalance, StageLoadBalance, moe_blocks, versioned_tensors
 from titan_async.pipeline.schedules import StreamingSchedule
 from titan_async.pipeline.stream import StreamEngine
 from titan_async.pipeline.trace import Timeline
@@ -50,8 +52,10 @@ from titan_async.train.health import HealthGuard, HealthSection, skips_on_device
 from titan_async.train.late_read import LateRead
 
 
-def _names(model: torch.nn.Module) -> list[str]:
-    return [canonical_name(name) for name, _ in model.named_parameters()]
+def _names(model: torch.nn.Module, policy) -> list[str]:
+    """The names of what `policy` keeps per stage: 2BW versions the MoE expert biases too."""
+    named = versioned_tensors(model) if isinstance(policy, TwoVersions) else model.named_parameters()
+    return [canonical_name(name) for name, _ in named]
 
 
 class RNGState(Stateful):
@@ -78,17 +82,19 @@ class WeightVersionState(Stateful):
     """The weight policies' state (second 2BW versions, PACI's partial sums) of this process's
     stages, keyed by stage so that ranks never share a key."""
 
-    def __init__(self, stages: dict[int, tuple[Any, list[str]]], trainer: Trainer) -> None:
-        self.stages, self.trainer = stages, trainer
+    def __init__(self, stages: dict[int, tuple[Any, list[str]]], balances: dict[int, StageLoadBalance], trainer: Trainer) -> None:
+        self.stages, self.balances, self.trainer = stages, balances, trainer
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            f"stage{stage}": policy.state_dict(names, self.trainer.step) for stage, (policy, names) in self.stages.items()
-        }
+        state = {f"stage{stage}": policy.state_dict(names, self.trainer.step) for stage, (policy, names) in self.stages.items()}
+        state.update({f"load_balance{stage}": balance.state_dict() for stage, balance in self.balances.items()})
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for stage, (policy, names) in self.stages.items():
             policy.load_state_dict(state_dict[f"stage{stage}"], names, self.trainer.step)
+        for stage, balance in self.balances.items():
+            balance.load_state_dict(state_dict[f"load_balance{stage}"])
 
 
 class LiveModelState(ModelWrapper):
@@ -182,7 +188,10 @@ class AsyncTrainer(Trainer):
         self.delay: OneStepDelay | None = None
         self.timeline = None
         self.stage_group = self._stage_group()
+        self.balances: dict[int, StageLoadBalance] = {}
+        self.delayed_balance: DelayedLoadBalance | None = None
         policies = self._attach_weight_policies()
+        self._balance_expert_load(policies)
         paci = any(isinstance(policy, LocalAccumulation) for policy, _ in policies.values())
         if paci and isinstance(config.activation_checkpoint, FullAC.Config):
             logger.warning("PACI with activation_checkpoint.mode = 'full': each block's backward recomputes its forward with "
@@ -190,7 +199,7 @@ class AsyncTrainer(Trainer):
         if self.stream is not None:
             self._drain_before_every_save()
         if policies and self.checkpointer.enable:
-            self.checkpointer.states["weight_versions"] = WeightVersionState(policies, self)
+            self.checkpointer.states["weight_versions"] = WeightVersionState(policies, self.balances, self)
             if any(isinstance(policy, TwoVersions) for policy, _ in policies.values()):
                 self.checkpointer.states[MODEL] = LiveModelState(self.model_parts)
 
@@ -218,19 +227,19 @@ class AsyncTrainer(Trainer):
             schedule, stage = self.pp_schedule, self.pp_schedule._stage.stage_index
             every_optimizer = list(range(len(self.optimizers.optimizers)))
             self.stream = schedule.attach(
-                optimizer_step=lambda: self._stage_optimizer_step(stage, every_optimizer, schedule.policy),
+                optimizer_step=lambda: self._stage_optimizer_step(stage, every_optimizer, schedule.policy, self.balances.get(stage)),
                 microbatches=self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches,
                 accumulation=config.parallelism.paci.accumulation,
                 keep_trace=config.metrics.pipeline_trace,
             )
             self.timeline = schedule.timeline
-            return {stage: (schedule.policy, _names(self.model_parts[0]))}
+            return {stage: (schedule.policy, _names(self.model_parts[0], schedule.policy))}
         if config.parallelism.emulated_stages:
             return self._emulate_stages()
         if config.training.gradient_delay:
             model = self.model_parts[0]
             self.delay = two_versions(model, 1, FsdpStage.of(model))
-            return {0: (self.delay, _names(model))}
+            return {0: (self.delay, _names(model, self.delay))}
         return {}
 
     def _emulate_stages(self) -> dict[int, tuple[Any, list[str]]]:
@@ -249,14 +258,31 @@ class AsyncTrainer(Trainer):
         policies, executors, steps = {}, [], {}
         for stage, view in enumerate(views):
             policy = make_policy(config.parallelism.pipeline_parallel_schedule, view, m, config.parallelism.paci.accumulation)
-            policies[stage] = (policy, _names(view))
+            policies[stage] = (policy, _names(view, policy))
             executors.append(
                 StageExecutor(view, stage, len(views), LocalTransport(mailbox, stage), policy, self._emulated_loss, Timeline(0, False))
             )
             owned = self._optimizers_of(view)
-            steps[stage] = lambda stage=stage, owned=owned, policy=policy: self._stage_optimizer_step(stage, owned, policy)
+            steps[stage] = lambda stage=stage, owned=owned, policy=policy: self._stage_optimizer_step(
+                stage, owned, policy, self.balances.get(stage))
         self.stream = StreamEngine(executors, len(views), m, steps)
         return policies
+
+    def _balance_expert_load(self, policies: dict[int, tuple[Any, list[str]]]) -> None:
+        """MoE load balancing where each stage steps (`pipeline.load_balance`): per stage for the
+        streaming schedules and their emulation, once per step for the delayed reference, and
+        torchtitan's optimizer hook for synchronous training."""
+        data_group = self.parallel_dims.get_mesh("batch").get_group() if self.parallel_dims.dp_enabled else None
+        if self.stream is not None:
+            for executor in self.stream.executors:
+                blocks = moe_blocks(executor.module)
+                if blocks:
+                    executor.balance = self.balances[executor.stage] = StageLoadBalance(blocks, data_group)
+        elif self.delay is not None:
+            blocks = moe_blocks(self.model_parts[0])
+            self.delayed_balance = DelayedLoadBalance(blocks, data_group) if blocks else None
+        elif not policies:
+            register_moe_load_balancing_hook(self.optimizers, self.model_parts, self.parallel_dims)
 
     def _emulated_loss(self, pred, labels, **loss_kwargs):
         loss, _ = self.loss_fn(pred, labels, **loss_kwargs)
@@ -270,12 +296,15 @@ class AsyncTrainer(Trainer):
             if all(id(p) in owned for group in optimizer.param_groups for p in group["params"])
         ]
 
-    def _stage_optimizer_step(self, stage: int, indices: list[int], policy) -> None:
-        """Clip one stage's gradient on its own, step and zero its optimizers, and advance their
-        learning rates by the batches the stage has now completed (streaming schedules).
+    def _stage_optimizer_step(self, stage: int, indices: list[int], policy, balance: StageLoadBalance | None) -> None:
+        """Move the stage's expert biases (MoE), clip its gradient on its own, step and zero its
+        optimizers, and advance their learning rates by the batches the stage has now completed
+        (streaming schedules).
 
         The health check decides on the device when every optimizer can skip an update there
         (`skips_on_device`), so a stage stepping inside a window never waits for the device."""
+        if balance:
+            balance.step()
         optimizers = [self.optimizers.optimizers[i] for i in indices]
         params = [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
         on_device = all(skips_on_device(optimizer) for optimizer in optimizers)
@@ -348,7 +377,16 @@ class AsyncTrainer(Trainer):
         Afterwards the parameters hold the latest version, W[step], as a checkpoint expects."""
         batch = self.step - 1
         self.delay.activate(batch)
-        self._synchronous_train_step(data_iterator, lambda step_optimizer: self.delay.apply_update(batch, step_optimizer))
+
+        def update(step_optimizer) -> None:
+            def step() -> None:
+                if self.delayed_balance:
+                    self.delayed_balance.step()
+                step_optimizer()
+
+            self.delay.apply_update(batch, step)
+
+        self._synchronous_train_step(data_iterator, update)
         self.delay.activate(self.step + 1)
 
     def _streaming_train_step(self, data_iterator) -> None:

@@ -30,6 +30,8 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True) -> dict[str, A
     """Everything `plan` reports, as one JSON-ready object; with `gpu` False its memory is that of
     CPU processes (gloo, CPU Newton-Schulz dtype) in place of the cluster's GPUs."""
     check_world_size(run, cluster)
+    if run.model.family != "llama3":
+        raise UserError(f"{run.source}: model.family = {run.model.family!r}: plan estimates llama3 models only so far")
     name = run.parallelism.pipeline_parallel_schedule
     if name.lower() not in {known.lower() for known in SCHEDULE_NAMES}:
         raise UserError(

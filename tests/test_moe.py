@@ -1,0 +1,92 @@
+"""Mixture-of-experts models (model.family = "qwen3_moe") under PipeDream2BW and PACI.
+
+The expert biases move where each stage steps, from the counts of exactly the microbatches
+whose gradient that step applies, and 2BW keeps them in its weight versions. The 2BW reference
+is the delayed-gradient loop (`training.gradient_delay = 1`, one process, no pipeline), whose
+load balancing reads the counts the blocks accumulated over the whole batch when its step
+applies it: a different code path from the stages' per-microbatch bookkeeping. Its checkpoints
+hold the biases, so skipping an update or applying another batch's counts fails the weight
+comparison. The reference accumulates local batches of the microbatch size, so that every
+forward has the pipeline's shapes: top-k routing turns float rounding into different experts
+(a whole batch of 8 in one forward ends 0.5% away in the expert weights, while accumulating
+microbatches matches the pipeline to the bit). Validation is off (its batches follow the local
+batch size), and clipping too (`max_norm`): streaming stages clip their own gradient, the
+reference the global one. A larger `load_balance_coeff` makes the biases change routing within
+the run.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import nccl_model
+from conftest import CONFIGS, cli_in_process, metrics, sets
+from test_fsdp_schedules import train
+from test_schedules import STEPS, assert_close_weights, assert_same_run, final_weights
+from test_tensor_parallel import resumed_from_the_middle
+
+ONE_PROCESS = ("--config", str(CONFIGS / "debug_cpu.toml"), "--nproc-per-node", "1")
+PP2 = ("--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--nproc-per-node", "2")
+MOE = ("model.family=qwen3_moe", "model.num_experts=8", "model.top_k=2", "model.moe_hidden_dim=64",
+       "model.load_balance_coeff=0.01", "training.max_norm=1000", "parallelism.pipeline_parallel_microbatch_size=2",
+       "validation.enable=false", "training.local_batch_size=8")
+PACI = ("parallelism.pipeline_parallel_schedule=PACI", "parallelism.paci.accumulation=2")
+
+
+@pytest.fixture(scope="module")
+def two_bw(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_2bw")
+    reference = train(root / "delay", *MOE, "training.gradient_delay=1", "training.local_batch_size=2",
+                      "training.global_batch_size=8", layout=ONE_PROCESS)
+    return reference, train(root / "2bw", *MOE, "parallelism.pipeline_parallel_schedule=PipeDream2BW", layout=PP2)
+
+
+@pytest.fixture(scope="module")
+def paci(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_paci")
+    emulated = train(root / "emulated", *MOE, *PACI, "parallelism.emulated_stages=2", layout=ONE_PROCESS)
+    return emulated, train(root / "paci", *MOE, *PACI, layout=PP2)
+
+
+def expert_biases(run) -> dict:
+    return {k: v for k, v in final_weights(run).items() if k.endswith("expert_bias_E")}
+
+
+def test_2bw_moe_equals_the_delayed_reference_expert_biases_included(two_bw):
+    reference, pipelined = two_bw
+    biases = expert_biases(reference)
+    assert len(biases) == 4 and all(bias.abs().max() > 0 for bias in biases.values())
+    assert_same_run(reference, pipelined)
+    assert_close_weights(final_weights(pipelined), final_weights(reference))
+    nccl_model.assert_nccl_safe(pipelined / "comm", stages=2)
+
+
+def test_paci_moe_equals_its_emulation(paci):
+    emulated, pipelined = paci
+    assert all(bias.abs().max() > 0 for bias in expert_biases(emulated).values())
+    assert_same_run(emulated, pipelined)
+    assert_close_weights(final_weights(pipelined), final_weights(emulated))
+    nccl_model.assert_nccl_safe(pipelined / "comm", stages=2)
+
+
+@pytest.mark.parametrize("runs", ["two_bw", "paci"])
+def test_moe_streaming_run_resumes_exactly(runs, request, tmp_path):
+    """Both 2BW versions of the weights and biases, PACI's pending counts, optimizer state."""
+    _, pipelined = request.getfixturevalue(runs)
+    resumed = resumed_from_the_middle(pipelined, tmp_path / "resumed")
+    assert max(metrics(resumed)) == STEPS
+    assert_same_run(pipelined, resumed, rel=1e-6)
+    assert_close_weights(final_weights(resumed), final_weights(pipelined))
+
+
+@pytest.mark.parametrize("processes, assignments, named", [
+    ("4", ["parallelism.data_parallel_shard_degree=2"], "data-parallel degree is 2, set it to 1"),
+    ("4", ["parallelism.tensor_parallel_degree=2"], "parallelism.tensor_parallel_degree is 2, set it to 1"),
+    ("2", ["model.top_k=9"], "model.top_k (9) must be between 1 and model.num_experts (8)"),
+])
+def test_a_moe_layout_the_schedules_do_not_run_yet_is_one_line(tmp_path, capsys, processes, assignments, named):
+    status, out, err = cli_in_process(capsys, "train", "--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--nproc-per-node", processes,
+                                      "--run-dir", str(tmp_path / "run"),
+                                      *sets(*MOE, "parallelism.pipeline_parallel_schedule=PipeDream2BW", *assignments))
+    assert status == 2 and named in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
