@@ -33,6 +33,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def count(text: str) -> int:
+    """argparse type of counts that may be zero: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="titan-async", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -64,6 +75,12 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--json", action="store_true", help="print one JSON object")
     evaluate.add_argument("--prompt", default="def main():", help="prompt for the greedy continuation")
     evaluate.add_argument("--max-new-tokens", type=positive_int, default=32)
+    evaluate.add_argument("--tasks", metavar="TASK[,TASK...]",
+                          help="run lm-evaluation-harness tasks instead (names such as hellaswag,arc_easy, or task YAML "
+                               "files); needs the extra: pip install 'titan-async[eval]'")
+    evaluate.add_argument("--limit", type=positive_int, metavar="N", help="with --tasks: the first N examples of each task")
+    evaluate.add_argument("--num-fewshot", type=count, metavar="K", help="with --tasks: K examples in each prompt (default: the task's)")
+    evaluate.add_argument("--batch-size", type=positive_int, default=1, help="with --tasks: sequences per forward (default: 1)")
 
     export = commands.add_parser("export", help="write a checkpoint as a Hugging Face Llama directory")
     export.add_argument("--checkpoint", type=Path, required=True, help="a checkpoint directory (RUN/checkpoint/step-N)")
@@ -232,8 +249,13 @@ def _draw_pipeline_trace(directory: Path) -> None:
 
 
 def _eval(args) -> int:
-    from titan_async.commands.evaluate import evaluate_checkpoint
+    from titan_async.commands.evaluate import benchmark_checkpoint, evaluate_checkpoint
 
+    if args.tasks is None and (args.limit, args.num_fewshot) != (None, None):
+        raise UserError(f"{'--limit' if args.limit is not None else '--num-fewshot'}: applies only with --tasks")
+    if args.tasks is not None:
+        return benchmark_checkpoint(args.checkpoint, args.tasks, limit=args.limit, num_fewshot=args.num_fewshot,
+                                    batch_size=args.batch_size, as_json=args.json)
     return evaluate_checkpoint(args.checkpoint, as_json=args.json, prompt=args.prompt, max_new_tokens=args.max_new_tokens)
 
 

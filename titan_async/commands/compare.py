@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from titan_async.commands import pages
+from titan_async.commands.benchmark_results import latest_results, read_results
 from titan_async.core.errors import UserError
 from titan_async.run import directory as run_dir
 from titan_async.run.record import TRAIN_LOSS, VALIDATION_LOSS, RunRecord, read_run, series
@@ -118,7 +119,8 @@ def parse_target(text: str | None) -> float | None:
 def compare(directories: list[Path], baseline: Path | None = None, target: float | None = None) -> tuple[list[RunCurves], dict]:
     """Read the runs (the baseline first: `baseline`, else the first directory) and return their
     curves and the results: target, baseline, warnings and per run its tokens/s, final and best
-    validation loss, time (and tokens, steps) to the target and speed-up over the baseline."""
+    validation loss, time (and tokens, steps) to the target, speed-up over the baseline and the
+    latest benchmark result of each task (`eval --tasks`)."""
     ordered = list(dict.fromkeys([baseline or directories[0], *directories]))
     names = [d.resolve().name for d in ordered]
     labels = names if len(set(names)) == len(names) else [str(d) for d in ordered]
@@ -142,6 +144,8 @@ def compare(directories: list[Path], baseline: Path | None = None, target: float
             "time_to_target_s": reached["seconds"],
             "tokens_to_target": reached["tokens"],
             "steps_to_target": reached["step"],
+            "benchmarks": {name: {"step": step, **result}
+                           for name, (step, result) in latest_results(read_results(run.record.directory)).items()},
         })
     base_time = results[0]["time_to_target_s"]
     for row in results:
@@ -164,6 +168,31 @@ def table_rows(results: dict) -> list[list[str]]:
             cell(row["time_to_target_s"], "{:.1f}", "not reached"), cell(row["speedup"], "{:.2f}x"),
         ])
     return rows
+
+
+def benchmark_rows(results: dict) -> list[list[str]]:
+    """Each run's latest result of every benchmark task and metric as text cells (header first);
+    empty when no run has one."""
+    keys = dict.fromkeys((task, metric) for row in results["runs"] for task, result in row["benchmarks"].items()
+                         for metric in result["metrics"])
+    if not keys:
+        return []
+    rows = [["task", "metric", *(row["label"] for row in results["runs"])]]
+    for task, metric in keys:
+        cells = []
+        for row in results["runs"]:
+            result = row["benchmarks"].get(task, {"metrics": {}})
+            value = result["metrics"].get(metric)
+            cells.append("-" if value is None else f"{value:.4f} (step {result['step']})")
+        rows.append([task, metric, *cells])
+    return rows
+
+
+def print_rows(rows: list[list[str]]) -> None:
+    """Text cells as aligned columns on stdout."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(text.ljust(width) for text, width in zip(row, widths)).rstrip())
 
 
 def draw_plots(runs: list[RunCurves], target: float, folder: Path) -> list[tuple[str, Path]]:
@@ -194,8 +223,12 @@ def render_html(results: dict, plots: list[tuple[str, Path]]) -> str:
         pages.html_table(header, rows),
         "".join(f"<p><strong>Warning:</strong> {html.escape(w)}</p>" for w in results["warnings"]),
         "</section>",
-        '<section id="curves"><h2>Curves</h2>' + "".join(pages.html_figure(c, p) for c, p in plots) + "</section>",
     ]
+    if benchmarks := benchmark_rows(results):
+        header, *rows = benchmarks
+        parts.append('<section id="benchmarks"><h2>Benchmarks (eval --tasks, lm-evaluation-harness)</h2>'
+                     f"{pages.html_table(header, rows)}</section>")
+    parts.append('<section id="curves"><h2>Curves</h2>' + "".join(pages.html_figure(c, p) for c, p in plots) + "</section>")
     return pages.html_page("titan-async comparison", parts)
 
 
@@ -210,10 +243,10 @@ def run_compare(directories: list[Path], baseline: Path | None, target: str | No
         print(f"titan-async: warning: {warning}", file=sys.stderr)
     out = pages.page_path(out or runs[0].record.directory / "compare" / "compare.html")
     run_dir.write_atomic(out, render_html(results, draw_plots(runs, results["target"], out.parent)))
-    rows = table_rows(results)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     print(f"target validation loss {results['target']:.4f}")
-    for row in rows:
-        print("  ".join(text.ljust(width) for text, width in zip(row, widths)).rstrip())
+    print_rows(table_rows(results))
+    if benchmarks := benchmark_rows(results):
+        print("benchmarks (latest step of each run)")
+        print_rows(benchmarks)
     print(f"compare: {out}")
     return 0

@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -108,6 +109,17 @@ def _stored_entries(checkpoint: Path, expected: dict[str, torch.Tensor]) -> dict
     return entries
 
 
+def read_hf_tensors(checkpoint: Path, adapter, entries: dict[str, tuple[torch.Size, torch.dtype]], names: list[str]) -> dict[str, torch.Tensor]:
+    """The checkpoint's entries `names`, in their stored dtype, under their Hugging Face names;
+    UserError naming `checkpoint` if it cannot be read."""
+    state = {name: torch.empty(entries[name][0], dtype=entries[name][1]) for name in names}
+    try:
+        dcp.load(state, checkpoint_id=str(checkpoint))
+    except Exception as err:
+        raise runs.unreadable_checkpoint(checkpoint, err) from None
+    return adapter.to_hf(state)
+
+
 def _blocks(names: list[str]) -> list[list[str]]:
     """Entries grouped as read: the embedding, each transformer block, the rest."""
     blocks: dict[str, list[str]] = {}
@@ -145,12 +157,7 @@ def _write_weights(checkpoint: Path, out: Path, adapter, entries: dict[str, tupl
         for file, shard in zip(files, shards):
             tensors = {}
             for block in shard:
-                state = {name: torch.empty(entries[name][0], dtype=entries[name][1]) for name in block}
-                try:
-                    dcp.load(state, checkpoint_id=str(checkpoint))
-                except Exception as err:
-                    raise runs.unreadable_checkpoint(checkpoint, err) from None
-                for hf_name, tensor in adapter.to_hf(state).items():
+                for hf_name, tensor in read_hf_tensors(checkpoint, adapter, entries, block).items():
                     tensors[hf_name] = tensor.to(dtype).contiguous()
                     weight_map[hf_name] = file
                 progress.advance(task, sum(nbytes[name] for name in block))
@@ -161,16 +168,21 @@ def _write_weights(checkpoint: Path, out: Path, adapter, entries: dict[str, tupl
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def _write_tokenizer(source: Path, tokenizer: HuggingFaceTokenizer, out: Path) -> None:
-    """tokenizer.json that prepends BOS as training did (Llama's convention, which transformers,
-    vLLM and lm-eval follow), and a tokenizer_config.json naming BOS and EOS."""
+def hf_fast_tokenizer(source: Path, tokenizer: HuggingFaceTokenizer) -> Tokenizer:
+    """The run's tokenizer (`source`/tokenizer.json) made to prepend BOS as training did (Llama's
+    convention, which transformers, vLLM and lm-eval follow)."""
     fast = Tokenizer.from_file(str(source / "tokenizer.json"))
     if tokenizer.bos_token and not tokenizer.hf_adds_bos:
         bos = tokenizer.bos_token
         fast.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.bos_id)]
         )
-    fast.save(str(out / "tokenizer.json"))
+    return fast
+
+
+def _write_tokenizer(source: Path, tokenizer: HuggingFaceTokenizer, out: Path) -> None:
+    """tokenizer.json (`hf_fast_tokenizer`) and a tokenizer_config.json naming BOS and EOS."""
+    hf_fast_tokenizer(source, tokenizer).save(str(out / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
@@ -187,28 +199,47 @@ def _claim_output(out: Path, overwrite: bool) -> Path:
     return scratch
 
 
+@dataclass
+class Conversion:
+    """A checkpoint's run as Hugging Face Llama, checked against the checkpoint: its tokenizer,
+    config.json, the entry-name adapter and the model entries the checkpoint stores."""
+
+    tokenizer_source: Path
+    tokenizer: HuggingFaceTokenizer
+    llama: dict
+    adapter: Llama3StateDictAdapter
+    entries: dict[str, tuple[torch.Size, torch.dtype]]
+
+
+def conversion(checkpoint: Path, dtype: str) -> Conversion:
+    """How `checkpoint` (of its run's stored config) converts, config.json giving `dtype`;
+    UserError when Hugging Face Llama cannot express the model or the checkpoint lacks an entry."""
+    run = load_run_config(checkpoint.parent.parent / runs.CONFIG_FILE)
+    tokenizer_source = tokenizer_dir(run.data)
+    tokenizer = HuggingFaceTokenizer(tokenizer_path=str(tokenizer_source))
+    meta = build_meta_model(run, tokenizer.get_vocab_size(), fsdp=False)
+    config = meta.spec.model
+    llama = hf_llama_config(config, tokenizer.bos_id, tokenizer.eos_id, dtype)
+    expected = meta.module.state_dict()
+    if config.enable_weight_tying:
+        del expected["lm_head.weight"]  # the embedding
+    adapter = Llama3StateDictAdapter(config, None)
+    _check_expressible(adapter, expected)
+    return Conversion(tokenizer_source, tokenizer, llama, adapter, _stored_entries(checkpoint, expected))
+
+
 def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "float32", overwrite: bool = False) -> None:
     """Write `checkpoint`'s model as a Hugging Face Llama directory at `out`. The export is built
     beside `out` and moved into place at the end, so a failed export leaves `out` as it was."""
     checked_step(checkpoint)
-    run = load_run_config(checkpoint.parent.parent / runs.CONFIG_FILE)
     scratch = _claim_output(out, overwrite)
     try:
-        tokenizer_source = tokenizer_dir(run.data)
-        tokenizer = HuggingFaceTokenizer(tokenizer_path=str(tokenizer_source))
-        meta = build_meta_model(run, tokenizer.get_vocab_size(), fsdp=False)
-        config = meta.spec.model
-        llama = hf_llama_config(config, tokenizer.bos_id, tokenizer.eos_id, dtype)
-        expected = meta.module.state_dict()
-        if config.enable_weight_tying:
-            del expected["lm_head.weight"]  # the embedding
-        adapter = Llama3StateDictAdapter(config, None)
-        _check_expressible(adapter, expected)
-        _write_weights(checkpoint, scratch, adapter, _stored_entries(checkpoint, expected), DTYPES[dtype])
-        (scratch / "config.json").write_text(json.dumps(llama, indent=2))
-        generation = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+        hf = conversion(checkpoint, dtype)
+        _write_weights(checkpoint, scratch, hf.adapter, hf.entries, DTYPES[dtype])
+        (scratch / "config.json").write_text(json.dumps(hf.llama, indent=2))
+        generation = {"bos_token_id": hf.tokenizer.bos_id, "eos_token_id": hf.tokenizer.eos_id}
         (scratch / "generation_config.json").write_text(json.dumps(generation, indent=2))
-        _write_tokenizer(tokenizer_source, tokenizer, scratch)
+        _write_tokenizer(hf.tokenizer_source, hf.tokenizer, scratch)
         if out.exists():
             shutil.rmtree(out)
         os.replace(scratch, out)

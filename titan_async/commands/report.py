@@ -8,6 +8,7 @@ import shutil
 import statistics
 from pathlib import Path
 
+from titan_async.commands.benchmark_results import HEADER, read_results, table_rows
 from titan_async.commands.pages import html_figure, html_page, html_table, line_chart, page_path
 from titan_async.run import directory as runs
 from titan_async.run.record import BUBBLE, MEMORY, THROUGHPUT, TRAIN_LOSS, VALIDATION_LOSS, RunRecord, read_run, series
@@ -92,7 +93,8 @@ def step_table(record: RunRecord) -> str:
 
 
 def render_html(record: RunRecord, plots: list[tuple[str, str, Path]]) -> str:
-    """The page: summary, plots, per-step table, optimizer groups and resolved config."""
+    """The page: summary, plots, benchmark results (if any), per-step table, optimizer groups
+    and resolved config."""
     parts = [
         '<section id="summary"><h2>Summary</h2>',
         html_table(None, [list(row) for row in summary(record)]),
@@ -103,6 +105,10 @@ def render_html(record: RunRecord, plots: list[tuple[str, str, Path]]) -> str:
         figures = [html_figure(caption, path) for sid, caption, path in plots if sid == section]
         if figures:
             parts.append(f'<section id="{section}"><h2>{titles[section]}</h2>{"".join(figures)}</section>')
+    benchmarks = read_results(record.directory)
+    if benchmarks:
+        parts.append('<section id="benchmarks"><h2>Benchmarks (eval --tasks, lm-evaluation-harness)</h2>'
+                     f"{html_table(HEADER, table_rows(benchmarks))}</section>")
     parts.append(f'<section id="steps"><h2>Per-step metrics</h2><details><summary>{len(record.train)} logged steps'
                  f"</summary>{step_table(record)}</details></section>")
     groups = record.directory / GROUP_TABLE

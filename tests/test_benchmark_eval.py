@@ -1,0 +1,149 @@
+"""`titan-async eval --tasks`: lm-evaluation-harness on a checkpoint in process.
+
+The reference is lm-eval's own Hugging Face path (`simple_evaluate(model="hf")`, what
+`lm_eval --model hf` runs) on the directory `titan-async export` wrote. The task is a local
+multiple-choice YAML on jsonl files, evaluated offline.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY, cli_in_process, run_cli, sets
+from test_bad_input import fail
+from titan_async import cli
+
+STEPS = 4
+TASK = "tiny_choice"
+LIMIT, FEWSHOT = 30, 2
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+WORDS = ("import", "return", "class", "value", "print", "self", "data", "file", "list", "None", "error", "test")
+
+
+def write_task(folder: Path, dataset_path: str = "json") -> Path:
+    """A multiple-choice task YAML on local train (few-shot) and test jsonl files: a code-like
+    prefix and four one-word continuations, the target drawn at random."""
+    rng = random.Random(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, count in (("train", 8), ("test", 40)):
+        items = []
+        for _ in range(count):
+            question = f"{rng.choice(WORDS)} = {rng.choice(WORDS)}({rng.choice(WORDS)}, "
+            choices = rng.sample(WORDS, 4)
+            items.append({"question": question, "choices": choices, "answer": rng.randrange(4)})
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
+    yaml = folder / f"{TASK}.yaml"
+    yaml.write_text(
+        f"task: {TASK}\ndataset_path: {dataset_path}\n"
+        f"dataset_kwargs:\n  data_files:\n    train: {folder / 'train.jsonl'}\n    test: {folder / 'test.jsonl'}\n"
+        "training_split: train\ntest_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"
+    )
+    return yaml
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, Path, Path, Path]:
+    """(run directory, its last checkpoint, the export of that checkpoint, the task YAML)."""
+    root = tmp_path_factory.mktemp("benchmark")
+    run_cli("train", "--run-dir", str(root / "run"), *sets(*TINY, f"training.steps={STEPS}", "validation.enable=false"))
+    checkpoint = root / "run" / "checkpoint" / f"step-{STEPS}"
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["export", "--checkpoint", str(checkpoint), "--out", str(root / "hf")])
+    assert exit_info.value.code == 0
+    return root / "run", checkpoint, root / "hf", write_task(root / "task")
+
+
+def reference(export: Path, yaml: Path) -> dict:
+    """lm-eval's results of the task on the export, through its own Hugging Face model loader."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    output = simple_evaluate(
+        model="hf", model_args=f"pretrained={export},dtype=float32", tasks=[TASK],
+        task_manager=TaskManager(include_path=str(yaml.parent), include_defaults=False),
+        limit=LIMIT, num_fewshot=FEWSHOT, log_samples=False, device="cuda" if torch.cuda.is_available() else "cpu",
+    )
+    return output["results"][TASK]
+
+
+def test_accuracy_equals_lm_eval_hf_on_the_export(trained, capsys):
+    run_dir, checkpoint, export, yaml = trained
+    result = run_cli("eval", "--checkpoint", str(checkpoint), "--tasks", str(yaml), "--limit", str(LIMIT),
+                     "--num-fewshot", str(FEWSHOT), "--json", env=OFFLINE)
+    ours = json.loads(result.stdout)
+    task = ours["tasks"][TASK]
+    theirs = reference(export, yaml)
+    assert task["metrics"] == {"acc": theirs["acc,none"], "acc_norm": theirs["acc_norm,none"]}
+    assert task["stderr"] == {"acc": theirs["acc_stderr,none"], "acc_norm": theirs["acc_norm_stderr,none"]}
+    assert (task["samples"], task["num_fewshot"], ours["step"]) == (LIMIT, FEWSHOT, STEPS)
+
+    stored = json.loads((run_dir / "benchmarks" / f"step-{STEPS}.json").read_text())
+    assert ours["results"] == str(run_dir / "benchmarks" / f"step-{STEPS}.json")
+    assert stored["tasks"] == ours["tasks"] and stored["step"] == STEPS
+
+    status, _, err = cli_in_process(capsys, "report", "--run-dir", str(run_dir))
+    assert status == 0, err
+    page = (run_dir / "report" / "report.html").read_text()
+    assert '<section id="benchmarks">' in page
+    assert f"<td>{STEPS}</td><td>{TASK}</td><td>acc</td><td>{theirs['acc,none']:.4f}</td>" in page
+
+    status, out, err = cli_in_process(capsys, "compare", str(run_dir), "--json", "--target", "100")
+    assert status == 0, err
+    assert json.loads(out)["runs"][0]["benchmarks"][TASK]["metrics"]["acc"] == theirs["acc,none"]
+    status, out, err = cli_in_process(capsys, "compare", str(run_dir), "--target", "100")
+    assert status == 0, err
+    assert [TASK, "acc", f"{theirs['acc,none']:.4f}", "(step", f"{STEPS})"] in [line.split() for line in out.splitlines()]
+
+
+def test_a_table_without_json(trained, capsys):
+    _, checkpoint, _, yaml = trained
+    status, out, err = cli_in_process(capsys, "eval", "--checkpoint", str(checkpoint), "--tasks", str(yaml), "--limit", "4")
+    assert status == 0, err
+    cells = [[cell.strip() for cell in line.split("│") if cell.strip()] for line in out.splitlines()]
+    assert [str(STEPS), TASK, "acc_norm"] in [row[:3] for row in cells]
+    assert f"results: {checkpoint.parent.parent / 'benchmarks' / f'step-{STEPS}.json'}" in out.splitlines()
+
+
+def test_unknown_task_is_one_line(trained, capsys):
+    _, checkpoint, _, _ = trained
+    err = fail(capsys, "eval", "--checkpoint", str(checkpoint), "--tasks", "no_such_task")
+    assert err.startswith("titan-async: --tasks no_such_task: no task, group or tag of that name")
+    err = fail(capsys, "eval", "--checkpoint", str(checkpoint), "--tasks", "missing/task.yaml")
+    assert err == "titan-async: --tasks missing/task.yaml: no such task file"
+
+
+def test_a_task_that_needs_a_download_fails_in_one_line_offline(trained, tmp_path):
+    _, checkpoint, _, _ = trained
+    yaml = write_task(tmp_path, dataset_path="Rowan/hellaswag")
+    result = run_cli("eval", "--checkpoint", str(checkpoint), "--tasks", str(yaml), check=False, env=OFFLINE)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith(f"titan-async: --tasks {yaml}: its data set needs a download, which failed")
+    assert len(result.stderr.splitlines()) == 1
+
+
+def test_missing_extra_is_one_line_naming_it(trained, capsys, monkeypatch):
+    _, checkpoint, _, yaml = trained
+    monkeypatch.delitem(sys.modules, "titan_async.commands.benchmark", raising=False)
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
+    err = fail(capsys, "eval", "--checkpoint", str(checkpoint), "--tasks", str(yaml))
+    assert err == "titan-async: --tasks: needs the optional extra `eval` (lm_eval is not installed): pip install 'titan-async[eval]'"
+
+
+@pytest.mark.parametrize("argument, value", [("--limit", "0"), ("--limit", "ten"), ("--num-fewshot", "-1")])
+def test_bad_counts_are_one_line(argument, value, capsys):
+    status, _, err = cli_in_process(capsys, "eval", "--checkpoint", "x", "--tasks", "t", argument, value)
+    assert status == 2 and len(err.strip().splitlines()) == 1
+    assert f"argument {argument}" in err
+
+
+def test_counts_without_tasks_are_one_line(capsys):
+    err = fail(capsys, "eval", "--checkpoint", "x", "--limit", "3")
+    assert err == "titan-async: --limit: applies only with --tasks"
