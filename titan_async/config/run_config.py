@@ -138,7 +138,7 @@ class RunConfig:
             )
         self._check_tensor_parallel()
         dp = self.data_parallel_degree(world_size)
-        self._check_mixture_of_experts(dp)
+        self._check_mixture_of_experts()
         problem = check_pipeline(t, p, dp, self.microbatches())
         problem = problem or check_activation_checkpoint(p, self.activation_checkpoint.mode)
         if problem:
@@ -186,19 +186,19 @@ class RunConfig:
             )
 
 
-    def _check_mixture_of_experts(self, data_parallel: int) -> None:
+    def _check_mixture_of_experts(self) -> None:
         """UserError for the MoE layouts the weight-version schedules do not run yet."""
         p = self.parallelism
         versions = streaming_schedule(p.pipeline_parallel_schedule) or self.training.gradient_delay
         if self.model.family != "qwen3_moe" or not versions:
             return
-        spread = {"data-parallel degree": data_parallel, "parallelism.tensor_parallel_degree": p.tensor_parallel_degree,
+        spread = {"parallelism.tensor_parallel_degree": p.tensor_parallel_degree,
                   "parallelism.expert_parallel_degree": p.expert_parallel_degree}
         for key, degree in spread.items():
             if degree > 1:
                 raise UserError(
                     f"{self.source}: model.family = \"qwen3_moe\" with {p.pipeline_parallel_schedule if streaming_schedule(p.pipeline_parallel_schedule) else 'training.gradient_delay = 1'} "
-                    f"runs one rank per stage so far; {key} is {degree}, set it to 1"
+                    f"runs without tensor or expert parallelism so far; {key} is {degree}, set it to 1"
                 )
 
 

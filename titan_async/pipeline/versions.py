@@ -106,14 +106,19 @@ class TwoVersions(OneStepDelay):
 
     def apply_update(self, batch: int, optimizer_step: Callable[[], None]) -> None:
         """U_{batch+2} = U_{batch+1} - Opt(g_batch), written into the buffer batch `batch` used."""
-        target, source = self._version(batch % 2), self._version((batch + 1) % 2)
         self.updates += 1
+        self.start_update(batch)
+        with preserved_versions(self.params):
+            optimizer_step()
+
+    def start_update(self, batch: int) -> None:
+        """Copy U_{batch+1} into the buffer batch `batch` used and make it the live one, for the
+        update to write U_{batch+2} there."""
+        target, source = self._version(batch % 2), self._version((batch + 1) % 2)
         for tensor, latest in zip(target, source):
             tensor.copy_(latest)
         self.active = -1
         self.activate(batch)
-        with preserved_versions(self.params):
-            optimizer_step()
 
     def copies(self) -> list[torch.Tensor]:
         """The weight copy kept beyond the live weights (made now if still pending)."""
@@ -156,9 +161,13 @@ class ShardedTwoVersions(OneStepDelay):
     shard holds it too (checkpoints save the shard, and the next update starts from it).
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], microbatches: int, stage: FsdpStage) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], microbatches: int, stage: FsdpStage,
+                 buffers: list[torch.Tensor] = ()) -> None:
+        """`buffers`: unsharded tensors versioned with the weights (MoE expert biases), kept as
+        `TwoVersions` keeps plain parameters."""
         super().__init__(microbatches)
         self.params, self.stage = params, stage
+        self.buffers = TwoVersions(list(buffers), microbatches) if buffers else None
         # Until the first update versions 0 and 1 are both the live weights (W[-1] = W[0]): a
         # side shard left None holds the shard's values and is copied out when first needed.
         self.side: list[torch.Tensor] | None = None
@@ -188,7 +197,9 @@ class ShardedTwoVersions(OneStepDelay):
         self.gathered_version, self.spare_version = self.spare_version, self.gathered_version
 
     def activate(self, batch: int) -> None:
-        """Make the parameters FSDP computes with hold version `batch`."""
+        """Make the parameters FSDP computes with (and the buffers) hold version `batch`."""
+        if self.buffers:
+            self.buffers.activate(batch)
         if self.stage.gathered and self.gathered_version != batch:
             if self.spare_version == batch:
                 self._swap_gathered()
@@ -223,6 +234,8 @@ class ShardedTwoVersions(OneStepDelay):
         else:
             self._side()
         self.updates += 1
+        if self.buffers:
+            self.buffers.start_update(batch)
         with preserved_versions(self.params):
             optimizer_step()
         self.shard_version, self.side_version = latest + 1, latest
@@ -247,12 +260,17 @@ class ShardedTwoVersions(OneStepDelay):
 
     def state_dict(self, names: list[str], step: int) -> dict[str, torch.Tensor]:
         """As `TwoVersions.state_dict`, sharded like the parameters: the side shard (after a drain
-        the shard holds U_{step+1}, the latest version)."""
-        return {name: _like(param, t) for name, param, t in zip(names, self.params, self._side())}
+        the shard holds U_{step+1}, the latest version); then the buffers' other version."""
+        state = {name: _like(param, t) for name, param, t in zip(names, self.params, self._side())}
+        if self.buffers:
+            state.update(self.buffers.state_dict(names[len(self.params):], step))
+        return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor], names: list[str], step: int) -> None:
         """Restore both versions after a checkpoint at `step` loaded U_{step+1} into the shard."""
-        self.side = [_local(state[name]).clone() for name in names]
+        self.side = [_local(state[name]).clone() for name in names[: len(self.params)]]
+        if self.buffers:
+            self.buffers.load_state_dict(state, names[len(self.params):], step)
         self.shard_version, self.side_version = step + 1, step
         self.gathered_version = self.spare_version = None
         self.backwards.clear()
@@ -345,11 +363,11 @@ class LocalAccumulation:
 def two_versions(module: torch.nn.Module, microbatches: int, stage: FsdpStage | None = None):
     """PipeDream-2BW's versions of `module`'s parameters (and MoE expert biases,
     `load_balance.versioned_tensors`): sharded when `stage` (its FSDP units) is given."""
+    tensors = [tensor for _, tensor in versioned_tensors(module)]
     if stage:
-        if len(list(versioned_tensors(module))) != len(list(module.parameters())):
-            raise NotImplementedError("PipeDream2BW keeps MoE expert biases in its weight versions without FSDP only")
-        return ShardedTwoVersions(list(module.parameters()), microbatches, stage)
-    return TwoVersions([tensor for _, tensor in versioned_tensors(module)], microbatches)
+        params = list(module.parameters())
+        return ShardedTwoVersions(params, microbatches, stage, buffers=tensors[len(params):])
+    return TwoVersions(tensors, microbatches)
 
 
 def make_policy(schedule: str, module: torch.nn.Module, microbatches: int, accumulation: int | None, hold_gathered: bool = False):

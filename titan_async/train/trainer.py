@@ -54,7 +54,7 @@ from titan_async.train.late_read import LateRead
 
 def _names(model: torch.nn.Module, policy) -> list[str]:
     """The names of what `policy` keeps per stage: 2BW versions the MoE expert biases too."""
-    named = versioned_tensors(model) if isinstance(policy, TwoVersions) else model.named_parameters()
+    named = versioned_tensors(model) if isinstance(policy, OneStepDelay) else model.named_parameters()
     return [canonical_name(name) for name, _ in named]
 
 
