@@ -21,10 +21,10 @@ import pytest
 import torch
 
 import nccl_model
-from conftest import CONFIGS, cli_in_process, metrics, sets
+from conftest import CONFIGS, cli_in_process, sets
 from test_fsdp_schedules import train
-from test_schedules import STEPS, assert_close_weights, assert_same_run, final_weights
-from test_tensor_parallel import resumed_from_the_middle
+from test_schedules import assert_close_weights, assert_same_run, final_weights
+from test_tensor_parallel import assert_resumes_exactly
 
 ONE_PROCESS = ("--config", str(CONFIGS / "debug_cpu.toml"), "--nproc-per-node", "1")
 PP2 = ("--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--nproc-per-node", "2")
@@ -92,11 +92,7 @@ def test_2bw_moe_with_fsdp_equals_the_delayed_reference(tmp_path):
 @pytest.mark.parametrize("runs", ["two_bw", "paci"])
 def test_moe_streaming_run_resumes_exactly(runs, request, tmp_path):
     """Both 2BW versions of the weights and biases, PACI's pending counts, optimizer state."""
-    _, pipelined = request.getfixturevalue(runs)
-    resumed = resumed_from_the_middle(pipelined, tmp_path / "resumed")
-    assert max(metrics(resumed)) == STEPS
-    assert_same_run(pipelined, resumed, rel=1e-6)
-    assert_close_weights(final_weights(resumed), final_weights(pipelined))
+    assert_resumes_exactly(request.getfixturevalue(runs)[1], tmp_path / "resumed")
 
 
 @pytest.mark.parametrize("processes, assignments, named", [

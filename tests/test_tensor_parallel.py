@@ -94,13 +94,17 @@ def resumed_from_the_middle(run, destination):
     return destination
 
 
+def assert_resumes_exactly(run, destination) -> None:
+    """`run` resumed from its middle checkpoint into `destination` logs the same steps and ends with the same weights."""
+    resumed = resumed_from_the_middle(run, destination)
+    assert max(metrics(resumed)) == STEPS
+    assert_same_run(run, resumed, rel=1e-6)
+    assert_close_weights(final_weights(resumed), final_weights(run))
+
+
 @pytest.mark.parametrize("runs", ["two_bw", "paci"])
 def test_tensor_parallel_streaming_run_resumes_exactly(runs, request, tmp_path):
-    _, pipelined = request.getfixturevalue(runs)
-    resumed = resumed_from_the_middle(pipelined, tmp_path / "resumed")
-    assert max(metrics(resumed)) == STEPS
-    assert_same_run(pipelined, resumed, rel=1e-6)
-    assert_close_weights(final_weights(resumed), final_weights(pipelined))
+    assert_resumes_exactly(request.getfixturevalue(runs)[1], tmp_path / "resumed")
 
 
 def test_2bw_muon_on_fsdp_times_tensor_parallel_equals_the_delayed_reference(tmp_path):
