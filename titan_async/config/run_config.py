@@ -155,7 +155,6 @@ class RunConfig:
                 f"training.local_batch_size x data-parallel degree ({t.local_batch_size} x {dp})"
             )
 
-
     def _check_tensor_parallel(self) -> None:
         """UserError for a tensor-parallel degree that cannot split the attention heads or,
         under sequence parallel, the sequence."""
@@ -185,20 +184,23 @@ class RunConfig:
                 f"set parallelism.tensor_parallel_degree = 1 (got {tp})"
             )
 
-
     def _check_mixture_of_experts(self) -> None:
         """UserError for the MoE layouts the weight-version schedules do not run yet."""
         p = self.parallelism
-        versions = streaming_schedule(p.pipeline_parallel_schedule) or self.training.gradient_delay
-        if self.model.family != "qwen3_moe" or not versions:
+        if streaming_schedule(p.pipeline_parallel_schedule):
+            versions = p.pipeline_parallel_schedule
+        elif self.training.gradient_delay:
+            versions = "training.gradient_delay = 1"
+        else:
             return
-        spread = {"parallelism.tensor_parallel_degree": p.tensor_parallel_degree,
-                  "parallelism.expert_parallel_degree": p.expert_parallel_degree}
-        for key, degree in spread.items():
+        if self.model.family != "qwen3_moe":
+            return
+        for key in ("tensor_parallel_degree", "expert_parallel_degree"):
+            degree = getattr(p, key)
             if degree > 1:
                 raise UserError(
-                    f"{self.source}: model.family = \"qwen3_moe\" with {p.pipeline_parallel_schedule if streaming_schedule(p.pipeline_parallel_schedule) else 'training.gradient_delay = 1'} "
-                    f"runs without tensor or expert parallelism so far; {key} is {degree}, set it to 1"
+                    f"{self.source}: model.family = \"qwen3_moe\" with {versions} runs without tensor or expert "
+                    f"parallelism so far; parallelism.{key} is {degree}, set it to 1"
                 )
 
 

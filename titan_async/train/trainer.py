@@ -297,9 +297,10 @@ class AsyncTrainer(Trainer):
         ]
 
     def _stage_optimizer_step(self, stage: int, indices: list[int], policy, balance: StageLoadBalance | None) -> None:
-        """Move the stage's expert biases (MoE), clip its gradient on its own, step and zero its
-        optimizers, and advance their learning rates by the batches the stage has now completed
-        (streaming schedules).
+        """Move the stage's expert biases (MoE; also when the health check skips the update: the
+        counts are finite), clip its gradient on its own, step and zero its optimizers, and
+        advance their learning rates by the batches the stage has now completed (streaming
+        schedules).
 
         The health check decides on the device when every optimizer can skip an update there
         (`skips_on_device`), so a stage stepping inside a window never waits for the device."""
