@@ -131,7 +131,7 @@ def test_a_task_that_needs_a_download_fails_in_one_line_offline(trained, tmp_pat
 
 def test_missing_extra_is_one_line_naming_it(trained, capsys, monkeypatch):
     _, checkpoint, _, yaml = trained
-    monkeypatch.delitem(sys.modules, "titan_async.commands.benchmark", raising=False)
+    monkeypatch.delitem(sys.modules, "titan_async.commands.evaluate.tasks", raising=False)
     monkeypatch.setitem(sys.modules, "lm_eval", None)
     err = fail(capsys, "eval", "--checkpoint", str(checkpoint), "--tasks", str(yaml))
     assert err == "titan-async: --tasks: needs the optional extra `eval` (lm_eval is not installed): pip install 'titan-async[eval]'"

@@ -26,6 +26,7 @@ from conftest import CONFIGS, TINY, checkpoint_weights, losses, run_cli, sets
 from test_bad_input import fail
 from titan_async import cli
 from titan_async.commands import export
+from titan_async.model import hf_conversion
 from titan_async.config.assemble import trainer_config
 from titan_async.config.run_config import load_run_config
 from titan_async.data.sources import tokenizer_dir
@@ -228,4 +229,4 @@ def test_model_transformers_cannot_express_is_refused():
     for layer in config.layers:
         layer.attention.rope.scaling = "yarn"
     with pytest.raises(UserError, match="rope scaling 'yarn' has no Hugging Face Llama equivalent"):
-        export.hf_llama_config(config, 0, 1, "float32")
+        hf_conversion.hf_llama_config(config, 0, 1, "float32")

@@ -1,11 +1,9 @@
 """`titan-async export`: a checkpoint as a Hugging Face Llama directory (transformers, vLLM, lm-eval).
 
-The run's stored config gives the model; torchtitan's `Llama3StateDictAdapter` maps its
-entries to Hugging Face names (and permutes Q/K for HF's rotary layout). The checkpoint is
-read with DCP in this one process whatever layout wrote it (DCP's metadata joins FSDP shards
-and pipeline stages), one block of entries at a time, so memory holds at most one output
-shard. Only the model's own entries are read: after step N they hold W[N] for every schedule
-(PipeDream2BW's second version lies under separate keys).
+The conversion (config.json, Hugging Face entry names, tensors, tokenizer) is
+`model.hf_conversion`'s; this command writes it out: the weights as safetensors shards, read
+one block of entries at a time so that memory holds at most one output shard, the tokenizer
+files, all in a directory built beside `--out` and moved into place at the end.
 """
 
 from __future__ import annotations
@@ -15,109 +13,19 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, processors
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
-from torchtitan.models.llama3 import Llama3StateDictAdapter
 
-from titan_async.config.run_config import load_run_config
 from titan_async.core.errors import UserError
-from titan_async.data.sources import tokenizer_dir
-from titan_async.model.meta import build_meta_model
-from titan_async.run import directory as runs
+from titan_async.model.hf_conversion import DTYPES, conversion, hf_fast_tokenizer, read_hf_tensors
 from titan_async.run.checkpoints import checked_step
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SHARD_BYTES = 5 * 2**30
 """Largest safetensors file written (Hugging Face's default shard size)."""
-
-
-def hf_llama_config(model, bos_id: int | None, eos_id: int | None, dtype: str) -> dict:
-    """The transformers `LlamaConfig` (config.json) of a torchtitan llama3 model config;
-    UserError naming the feature when HF Llama cannot express the model."""
-    attention = model.layers[0].attention
-    rope = attention.rope
-    if rope.scaling not in ("none", "llama"):
-        raise UserError(f"model: rope scaling {rope.scaling!r} has no Hugging Face Llama equivalent")
-    epsilons = {model.norm.eps} | {norm.eps for layer in model.layers for norm in (layer.attention_norm, layer.ffn_norm)}
-    if len(epsilons) != 1:
-        raise UserError(f"model: RMSNorm eps differs between norms ({sorted(epsilons)}); Hugging Face Llama has one")
-    scaling = None
-    if rope.scaling == "llama":
-        scaling = {
-            "rope_type": "llama3",
-            "factor": rope.scaling_factor,
-            "low_freq_factor": rope.low_freq_factor,
-            "high_freq_factor": rope.high_freq_factor,
-            "original_max_position_embeddings": rope.original_max_position_embeddings,
-        }
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": model.vocab_size,
-        "hidden_size": model.dim,
-        "intermediate_size": model.layers[0].feed_forward.w1.out_features,
-        "num_hidden_layers": len(model.layers),
-        "num_attention_heads": attention.n_heads,
-        "num_key_value_heads": attention.n_kv_heads or attention.n_heads,
-        "head_dim": attention.head_dim or model.dim // attention.n_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": rope.max_seq_len,
-        "rms_norm_eps": epsilons.pop(),
-        "rope_theta": rope.theta,
-        "rope_scaling": scaling,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": model.enable_weight_tying,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "torch_dtype": dtype,
-    }
-
-
-def _check_expressible(adapter: Llama3StateDictAdapter, expected: dict[str, torch.Tensor]) -> None:
-    """UserError for a model entry that torchtitan's adapter gives no Hugging Face Llama name."""
-    for name, tensor in expected.items():
-        if not adapter.to_hf({name: tensor}):
-            raise UserError(f"model: entry {name!r} has no Hugging Face Llama equivalent")
-
-
-def _stored_entries(checkpoint: Path, expected: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """Entry -> (shape, stored dtype); UserError when the checkpoint cannot be read, or an entry
-    of the run's model is missing or has another shape."""
-    try:
-        stored = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    except Exception as err:
-        raise runs.unreadable_checkpoint(checkpoint, err) from None
-    entries = {}
-    for name, tensor in expected.items():
-        meta = stored.get(name)
-        if meta is None or not hasattr(meta, "size"):
-            raise UserError(f"--checkpoint {checkpoint}: incomplete checkpoint, no model entry {name!r}")
-        if meta.size != tensor.shape:
-            raise UserError(
-                f"--checkpoint {checkpoint}: entry {name!r} has shape {tuple(meta.size)}, the run's config "
-                f"gives {tuple(tensor.shape)}"
-            )
-        entries[name] = (meta.size, meta.properties.dtype)
-    return entries
-
-
-def read_hf_tensors(checkpoint: Path, adapter, entries: dict[str, tuple[torch.Size, torch.dtype]], names: list[str]) -> dict[str, torch.Tensor]:
-    """The checkpoint's entries `names`, in their stored dtype, under their Hugging Face names;
-    UserError naming `checkpoint` if it cannot be read."""
-    state = {name: torch.empty(entries[name][0], dtype=entries[name][1]) for name in names}
-    try:
-        dcp.load(state, checkpoint_id=str(checkpoint))
-    except Exception as err:
-        raise runs.unreadable_checkpoint(checkpoint, err) from None
-    return adapter.to_hf(state)
 
 
 def _blocks(names: list[str]) -> list[list[str]]:
@@ -168,18 +76,6 @@ def _write_weights(checkpoint: Path, out: Path, adapter, entries: dict[str, tupl
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def hf_fast_tokenizer(source: Path, tokenizer: HuggingFaceTokenizer) -> Tokenizer:
-    """The run's tokenizer (`source`/tokenizer.json) made to prepend BOS as training did (Llama's
-    convention, which transformers, vLLM and lm-eval follow)."""
-    fast = Tokenizer.from_file(str(source / "tokenizer.json"))
-    if tokenizer.bos_token and not tokenizer.hf_adds_bos:
-        bos = tokenizer.bos_token
-        fast.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.bos_id)]
-        )
-    return fast
-
-
 def _write_tokenizer(source: Path, tokenizer: HuggingFaceTokenizer, out: Path) -> None:
     """tokenizer.json (`hf_fast_tokenizer`) and a tokenizer_config.json naming BOS and EOS."""
     hf_fast_tokenizer(source, tokenizer).save(str(out / "tokenizer.json"))
@@ -197,35 +93,6 @@ def _claim_output(out: Path, overwrite: bool) -> Path:
     scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     scratch.chmod(0o755)
     return scratch
-
-
-@dataclass
-class Conversion:
-    """A checkpoint's run as Hugging Face Llama, checked against the checkpoint: its tokenizer,
-    config.json, the entry-name adapter and the model entries the checkpoint stores."""
-
-    tokenizer_source: Path
-    tokenizer: HuggingFaceTokenizer
-    llama: dict
-    adapter: Llama3StateDictAdapter
-    entries: dict[str, tuple[torch.Size, torch.dtype]]
-
-
-def conversion(checkpoint: Path, dtype: str) -> Conversion:
-    """How `checkpoint` (of its run's stored config) converts, config.json giving `dtype`;
-    UserError when Hugging Face Llama cannot express the model or the checkpoint lacks an entry."""
-    run = load_run_config(checkpoint.parent.parent / runs.CONFIG_FILE)
-    tokenizer_source = tokenizer_dir(run.data)
-    tokenizer = HuggingFaceTokenizer(tokenizer_path=str(tokenizer_source))
-    meta = build_meta_model(run, tokenizer.get_vocab_size(), fsdp=False)
-    config = meta.spec.model
-    llama = hf_llama_config(config, tokenizer.bos_id, tokenizer.eos_id, dtype)
-    expected = meta.module.state_dict()
-    if config.enable_weight_tying:
-        del expected["lm_head.weight"]  # the embedding
-    adapter = Llama3StateDictAdapter(config, None)
-    _check_expressible(adapter, expected)
-    return Conversion(tokenizer_source, tokenizer, llama, adapter, _stored_entries(checkpoint, expected))
 
 
 def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "float32", overwrite: bool = False) -> None:

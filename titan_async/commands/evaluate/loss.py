@@ -1,5 +1,4 @@
-"""`titan-async eval`: validation loss of a DCP checkpoint, and a greedy sample; with `--tasks`,
-lm-evaluation-harness benchmarks instead (commands/benchmark.py, an optional extra).
+"""`titan-async eval` without `--tasks`: validation loss of a DCP checkpoint, and a greedy sample.
 
 The loss is computed exactly as torchtitan's Validator does during training
 (same split, batch size, number of batches, and one data shard per data-parallel
@@ -25,7 +24,6 @@ from torchtitan.components.loss import IGNORE_INDEX
 
 from titan_async.config.assemble import trainer_config
 from titan_async.config.run_config import RunConfig, load_run_config
-from titan_async.core.errors import UserError
 from titan_async.run import directory as runs, process
 from titan_async.run.checkpoints import checked_step
 
@@ -143,15 +141,3 @@ def evaluate_checkpoint(checkpoint: Path, *, as_json: bool, prompt: str, max_new
     Console().print(table)
     return 0
 
-
-def benchmark_checkpoint(checkpoint: Path, tasks: str, **options) -> int:
-    """`eval --tasks`: lm-evaluation-harness on `checkpoint` (commands/benchmark.py); UserError
-    naming the optional extra `eval` when lm-eval or transformers is not installed."""
-    try:
-        from titan_async.commands.benchmark import evaluate_tasks
-    except ModuleNotFoundError as err:
-        if (err.name or "").partition(".")[0] not in ("lm_eval", "transformers"):
-            raise
-        raise UserError(f"--tasks: needs the optional extra `eval` ({err.name} is not installed): "
-                        "pip install 'titan-async[eval]'") from None
-    return evaluate_tasks(checkpoint, tasks, **options)

@@ -1,11 +1,11 @@
 """`titan-async eval --tasks`: lm-evaluation-harness benchmarks of a checkpoint, in this process.
 
-The checkpoint becomes a transformers `LlamaForCausalLM` in memory through `export`'s
-conversion (the weights, config and tokenizer that `export` writes; nothing is written to disk)
+The checkpoint becomes a transformers `LlamaForCausalLM` in memory through `model.hf_conversion`
+(the weights, config and tokenizer that `export` writes; nothing is written to disk)
 and runs through lm-eval's own `HFLM`, so the results are those of `lm_eval --model hf` on the
 export. A task is a name lm-eval knows (its data set downloaded by `datasets` on first use) or
 a task YAML file (`dataset_path: json` on local jsonl files works offline). Results go to
-RUN/benchmarks/step-N.json (`benchmark_results`).
+RUN/benchmarks/step-N.json (`run.benchmarks`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from lm_eval.tasks import TaskManager
 from rich.console import Console
 from rich.table import Table
 
-from titan_async.commands import export
-from titan_async.commands.benchmark_results import HEADER, result_rows, save_results
 from titan_async.core.errors import UserError
+from titan_async.model.hf_conversion import conversion, hf_fast_tokenizer, read_hf_tensors
+from titan_async.run.benchmarks import HEADER, result_rows, save_results
 from titan_async.run.checkpoints import checked_step
 
 HARNESS = f"lm-eval {version('lm-eval')}"
@@ -72,14 +72,14 @@ def load_tasks(specs: list[str]) -> tuple[TaskManager, list]:
 def hf_llama(checkpoint: Path) -> tuple[transformers.LlamaForCausalLM, transformers.PreTrainedTokenizerFast]:
     """`checkpoint` as a float32 transformers Llama and its tokenizer, built in memory from
     what `export` would write (UserError as `export` gives one)."""
-    hf = export.conversion(checkpoint, "float32")
-    state = export.read_hf_tensors(checkpoint, hf.adapter, hf.entries, list(hf.entries))
+    hf = conversion(checkpoint, "float32")
+    state = read_hf_tensors(checkpoint, hf.adapter, hf.entries, list(hf.entries))
     transformers.utils.logging.disable_progress_bar()
     model = transformers.LlamaForCausalLM.from_pretrained(
         None, config=transformers.LlamaConfig(**hf.llama), state_dict=state, dtype=torch.float32
     )
     tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=export.hf_fast_tokenizer(hf.tokenizer_source, hf.tokenizer),
+        tokenizer_object=hf_fast_tokenizer(hf.tokenizer_source, hf.tokenizer),
         bos_token=hf.tokenizer.bos_token,
         eos_token=hf.tokenizer.eos_token,
     )
