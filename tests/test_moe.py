@@ -107,3 +107,11 @@ def test_a_moe_layout_the_schedules_do_not_run_yet_is_one_line(tmp_path, capsys,
                                       *sets(*MOE, "parallelism.pipeline_parallel_schedule=PipeDream2BW", *assignments))
     assert status == 2 and named in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
+
+
+def test_export_of_a_moe_checkpoint_is_refused_in_one_line(two_bw, tmp_path, capsys):
+    _, pipelined = two_bw
+    status, out, err = cli_in_process(capsys, "export", "--checkpoint", str(pipelined / "checkpoint" / "step-6"),
+                                      "--out", str(tmp_path / "hf"))
+    assert status == 2 and "has no Hugging Face conversion yet" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "hf").exists()

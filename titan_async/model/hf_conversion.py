@@ -139,6 +139,9 @@ def conversion(checkpoint: Path, dtype: str) -> Conversion:
     """How `checkpoint` (of its run's stored config) converts, config.json giving `dtype`;
     UserError when Hugging Face Llama cannot express the model or the checkpoint lacks an entry."""
     run = load_run_config(checkpoint.parent.parent / runs.CONFIG_FILE)
+    if run.model.family != "llama3":
+        raise UserError(f"--checkpoint {checkpoint}: a model.family = {run.model.family!r} checkpoint has no Hugging Face "
+                        "conversion yet (llama3 models only)")
     tokenizer_source = tokenizer_dir(run.data)
     tokenizer = HuggingFaceTokenizer(tokenizer_path=str(tokenizer_source))
     meta = build_meta_model(run, tokenizer.get_vocab_size(), fsdp=False)
