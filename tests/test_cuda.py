@@ -4,7 +4,7 @@ bfloat16 Newton-Schulz default.
 Each test is skipped on a machine without CUDA. References: dense SDPA in float64 with a
 hand-written per-document causal mask; bfloat16 training of the same model on the same data;
 the same trainer with plain parameters instead of FSDP2; the delayed-gradient rule of
-`training.gradient_delay = 1`.
+`training.gradient_delay = 1`, also for a mixture-of-experts model.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from torchtitan.models.common.attention import FlexAttention
 
 from conftest import CONFIGS, REPO, fresh_environment, losses, metrics, sets
 from test_attention import reference_mask
+from test_fsdp_schedules import train as train_layout
+from test_moe import MOE, ONE_PROCESS, expert_biases
 from test_muon import muon_update
 from test_schedules import EXACT, STEPS, assert_close_weights, assert_same_run, final_weights, train
 from titan_async.model.llama import ModelSection, build_model_spec
@@ -142,6 +144,20 @@ def test_emulated_2bw_equals_delayed_gradient_on_cuda(tmp_path):
                      "parallelism.pipeline_parallel_microbatch_size=1", "parallelism.emulated_stages=2")
     assert_same_run(delayed, emulated)
     assert_close_weights(final_weights(emulated), final_weights(delayed))
+
+
+@CUDA
+def test_emulated_2bw_moe_equals_delayed_gradient_on_cuda(tmp_path):
+    """The mixture-of-experts blocks on CUDA (torch._grouped_mm in bfloat16, the token dispatch's
+    device-to-host copies): 2BW's emulation with its per-stage load balancing against the delayed
+    reference, expert biases included (test_moe.py's settings)."""
+    reference = train_layout(tmp_path / "delay", *MOE, "training.gradient_delay=1", "training.local_batch_size=2",
+                             "training.global_batch_size=8", layout=ONE_PROCESS)
+    emulated = train_layout(tmp_path / "2bw", *MOE, "parallelism.pipeline_parallel_schedule=PipeDream2BW",
+                            "parallelism.emulated_stages=2", layout=ONE_PROCESS)
+    assert all(bias.abs().max() > 0 for bias in expert_biases(reference).values())
+    assert_same_run(reference, emulated)
+    assert_close_weights(final_weights(emulated), final_weights(reference))
 
 
 @CUDA

@@ -54,9 +54,11 @@ def is_cpu() -> bool:
 
 
 def _cpu_threads() -> int:
-    """Intra-op threads per process: the cores shared by the local workers."""
+    """Intra-op threads per process: the cores this process may run on (its affinity, so that
+    `taskset` confines a run), shared by the local workers."""
     local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, (os.cpu_count() or 1) // local_workers)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // local_workers)
 
 
 class _ResidentMemory:

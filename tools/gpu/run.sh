@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The GPU checklist on a machine with one CUDA GPU, run from the repository root:
 #
-#   bash tools/gpu/run.sh [probe] [ns] [tests] [1b]      (no argument: all four, in that order)
+#   bash tools/gpu/run.sh [probe] [ns] [tests] [1b] [deep]   (no argument: the first four, in that order)
 #
 # probe: GPU, Python and package versions; ns: Muon's Newton-Schulz times for the 10B shapes;
-# tests: tests/test_cuda.py; 1b: tokens/s and memory of the 1B config, bf16 against float8.
+# tests: tests/test_cuda.py; 1b: tokens/s and memory of the 1B config, bf16 against float8;
+# deep: tools/bench_schedules.py on the CPU (CUDA hidden) at DEEP_ARGS (default p = 4, m = 8),
+# threads per rank = the cores it may use / ranks, so `taskset -c 8-15 bash tools/gpu/run.sh deep`
+# runs beside the GPU parts on the other half of the cores.
 # Packages the machine lacks are installed from the wheels in .whl/ (see docs/results/gpu/README.md)
 # into /tmp/site; tools/gpu/shim supplies the torch 2.15 names torchtitan 0.3.0 imports when the
 # machine's torch is older. Results and logs go to $OUT (default: docs/results/gpu/raw).
@@ -15,8 +18,9 @@
 set -o pipefail
 OUT=${OUT:-docs/results/gpu/raw}
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
+if compgen -G ".whl/*.whl" >/dev/null && [ ! -e /tmp/site/.installed ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    touch /tmp/site/.installed
 fi
 export PYTHONPATH=.:/tmp/site:tools/gpu/shim PYTHONUNBUFFERED=1
 LIMIT=${CALL_LIMIT:-100000}
@@ -54,6 +58,11 @@ bench_1b() {
     timeout "$seconds" python3 tools/gpu/bench_1b.py --out "$OUT" --deadline $(( seconds - ${MIN_1B_S:-150} )) $BENCH_1B_ARGS
 }
 
+deep() {
+    CUDA_VISIBLE_DEVICES= timeout "$(left)" python3 tools/bench_schedules.py --out "$OUT" \
+        ${DEEP_ARGS:---stages 4 --microbatches 8 --layers 15 --reps 3 --steps 12 --warmup 3 --schedules 1F1B,Interleaved1F1B,ZBVZeroBubble,PipeDream2BW,PACI}
+}
+
 status=0
 for step in "${@:-probe ns tests 1b}"; do
     for part in $step; do
@@ -63,6 +72,7 @@ for step in "${@:-probe ns tests 1b}"; do
             ns) ns ;;
             tests) tests ;;
             1b) bench_1b ;;
+            deep) deep ;;
             *) echo "unknown part: $part"; exit 2 ;;
         esac || status=1
     done
