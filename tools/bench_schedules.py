@@ -90,7 +90,10 @@ def titan_async(command: str, schedule: str, args, *extra: str) -> subprocess.Co
     argv = [sys.executable, "-m", "titan_async.cli", command, "--config", str(CONFIG), *extra]
     for setting in settings(schedule, args):
         argv += ["--set", setting]
-    return subprocess.run(argv, check=True, cwd=REPO, capture_output=True, text=True)
+    result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"titan-async {command} ({schedule}) exited {result.returncode}:\n{result.stderr[-4000:]}")
+    return result
 
 
 def stage_weights_mib(args) -> dict[int, float]:

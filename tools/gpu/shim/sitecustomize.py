@@ -9,6 +9,7 @@ already has the name, and none changes a result on the single-process paths meas
 - `create_block_mask(separate_full_blocks=...)`: older releases always store fully unmasked
   blocks separately (torchtitan passes True except in batch-invariant mode, where False only
   makes the kernels apply the mask to those blocks too: the same mask).
+- `FSDPState._fsdp_param_groups`: older releases hold one group per state, as `_fsdp_param_group`.
 One thing cannot work on an older torch and is turned off instead: torchtitan's CUDA-graph
 capture of the forward-backward step (on by default on CUDA). It requires a BlockMask to flatten
 to the same structure every step; torch 2.15 moves the tensors that mask_mod closes over into
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 import torch.distributed.fsdp as fsdp
 from torch.distributed import distributed_c10d
+from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 from torch.nn.attention import flex_attention
 
 if not hasattr(fsdp, "DataParallelMeshDims"):
@@ -49,6 +51,9 @@ if "separate_full_blocks" not in inspect.signature(flex_attention.create_block_m
         return _create_block_mask(*args, **kwargs)
 
     flex_attention.create_block_mask = create_block_mask
+
+if not isinstance(getattr(FSDPState, "_fsdp_param_group", None), property):
+    FSDPState._fsdp_param_groups = property(lambda state: [state._fsdp_param_group] if state._fsdp_param_group else [])
 
 
 class _WithoutCudaGraphs(importlib.abc.MetaPathFinder):
