@@ -115,7 +115,7 @@ def test_float8_rowwise_compiled_tracks_bfloat16(tmp_path, bfloat16_compiled):
 
 
 WITHOUT_FSDP = (
-    "import sys; from titan_async import platform; platform.configure(); from titan_async.config import assemble; "
+    "import sys; from titan_async.core import platform; platform.configure(); from titan_async.config import assemble; "
     "assemble.plain_parameters = lambda run, world_size: True; "
     "from titan_async.cli import main; main(sys.argv[1:])"
 )
