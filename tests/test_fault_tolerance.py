@@ -66,11 +66,10 @@ def descendants(pid: int) -> list[int]:
 def worker_of_rank(launcher: int, rank: int) -> int:
     for pid in descendants(launcher):
         try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             continue
-        if f"RANK={rank}".encode() in environ and b"titan_async.run.worker" in command:
+        if name == f"titan-async r{rank}":
             return pid
     raise AssertionError(f"no worker of rank {rank} under process {launcher}")
 

@@ -53,6 +53,13 @@ def is_cpu() -> bool:
     return configure() == "cpu"
 
 
+def set_cpu_threads() -> None:
+    """Size torch's intra-op pool for this process on the CPU (again in a worker forked from a
+    launcher that configured itself as one process)."""
+    if is_cpu():
+        torch.set_num_threads(_cpu_threads())
+
+
 def _cpu_threads() -> int:
     """Intra-op threads per process: the cores this process may run on (its affinity, so that
     `taskset` confines a run), shared by the local workers."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,17 +33,7 @@ def run(run_dir: Path, nproc_per_node: int, verbose: bool, run_config=None, max_
     if nproc_per_node == 1 and not max_restarts:
         become_single_process()
         return worker.train(run_dir, verbose)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}", "--tee=0",
-        "-m", "titan_async.run.worker", str(run_dir),
-    ] + (["--verbose"] if verbose else [])
-    # Restarted workers would read the first attempt's gloo addresses from the agent's shared
-    # store and fail to connect; with their own store each attempt starts clean.
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if max_restarts else None
-    # A session of its own: a Ctrl-C in the terminal reaches this process only, which asks the
-    # workers to stop; torch's agent would meet it with a traceback and a 30 s kill.
-    agent = subprocess.Popen(command, env=env, preexec_fn=exit_with_parent, start_new_session=True)
+    agent = ForkedAgent(run_dir, nproc_per_node, verbose, max_restarts)
     stop = GracefulStop(agent)
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -53,6 +42,67 @@ def run(run_dir: Path, nproc_per_node: int, verbose: bool, run_config=None, max_
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return ABORTED if stop.aborted else status
+
+
+class ForkedAgent:
+    """torch's elastic agent (torchrun's `--standalone` configuration) in a forked child that
+    forks the workers in turn, so that neither re-imports torch and torchtitan: this process has
+    imported them to check the run, and each import costs seconds on a small machine.
+
+    The agent runs in a session of its own: a Ctrl-C in the terminal reaches this process only,
+    which asks the workers to stop (`GracefulStop`); torch's agent would meet it with a
+    traceback and a 30 s kill. The parent has run no parallel CPU kernel before the fork, so
+    the workers' thread pools start fresh. Exit status: 0, or 1 when a worker failed (torchrun's).
+    """
+
+    def __init__(self, run_dir: Path, nproc_per_node: int, verbose: bool, max_restarts: int) -> None:
+        self.pid = os.fork()
+        if self.pid == 0:
+            status = 1
+            try:
+                os.setsid()
+                exit_with_parent()
+                status = _agent(run_dir, nproc_per_node, verbose, max_restarts)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)
+
+    def wait(self) -> int:
+        while True:
+            try:
+                return os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+            except InterruptedError:
+                continue
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+
+def _agent(run_dir: Path, nproc_per_node: int, verbose: bool, max_restarts: int) -> int:
+    """torchrun --standalone with forked workers; returns the agent's exit status."""
+    import uuid
+
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    args = torchrun.parse_args([
+        "--standalone", f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}",
+        "--start-method=fork", "-m", "titan_async.run.worker", str(run_dir),
+    ])
+    args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if max_restarts:
+        # Restarted workers would read the first attempt's gloo addresses from the agent's
+        # shared store and fail to connect; with their own store each attempt starts clean.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    config, _, _ = torchrun.config_from_args(args)
+    try:
+        elastic_launch(config=config, entrypoint=worker.run_worker)(str(run_dir), verbose)
+    except ChildFailedError as failure:
+        print(failure.format_msg(), file=sys.stderr)
+        return 1
+    return 0
 
 
 ABORTED = 130
@@ -64,7 +114,7 @@ class GracefulStop:
     stop at the end of a step with a checkpoint; the second says that the stop is under way;
     the third aborts the run, losing the steps since its last checkpoint."""
 
-    def __init__(self, agent: subprocess.Popen) -> None:
+    def __init__(self, agent: ForkedAgent) -> None:
         self.agent = agent
         self.received = 0
         self.aborted = False

@@ -77,6 +77,17 @@ def exit_with_parent() -> None:
         os._exit(1)
 
 
+def name_worker() -> None:
+    """Name this process "titan-async rN" after its rank (Linux; `ps -o comm` and `top` show it),
+    since workers forked from the launcher share its command line."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_name = 15
+    ctypes.CDLL(None).prctl(pr_set_name, f"titan-async r{os.environ.get('RANK', '0')}".encode()[:15])
+
+
 def children(pid: int) -> list[int]:
     """The processes whose parent is `pid` (Linux /proc; elsewhere none)."""
     found = []

@@ -1,6 +1,7 @@
 """One training process: reads the run directory's config and trains (or resumes).
 
-Started in-process for a single local worker, or by torch's elastic launcher
+Started in-process for a single local worker, forked by the launcher's elastic agent
+(`launch.ForkedAgent`), or by an external torchrun
 (`python -m torch.distributed.run ... -m titan_async.run.worker RUN_DIR`).
 """
 
@@ -17,7 +18,7 @@ from titan_async.core import platform
 from titan_async.core.platform import DropMessages
 from titan_async.run import checkpoints, comm_log, directory as runs
 from titan_async.run.after_save import AfterSaves
-from titan_async.run.process import exit_with_parent, restart_count
+from titan_async.run.process import exit_with_parent, name_worker, restart_count
 
 
 def quiet_library_noise() -> None:
@@ -106,11 +107,18 @@ def train(run_dir: Path, verbose: bool = False, run=None) -> int:
 
 
 def main() -> None:
+    run_worker(sys.argv[1], "--verbose" in sys.argv[2:])
+
+
+def run_worker(run_dir: str, verbose: bool) -> None:
+    """A worker that torch's elastic agent started (as a fresh interpreter, or forked from the
+    launcher's agent after it imported everything); exits 2 with one line on a UserError."""
     from titan_async.core.errors import UserError
 
-    run_dir = Path(sys.argv[1])
+    name_worker()
+    platform.set_cpu_threads()
     try:
-        sys.exit(train(run_dir, verbose="--verbose" in sys.argv[2:]))
+        sys.exit(train(Path(run_dir), verbose))
     except UserError as err:
         print(f"titan-async: {err}", file=sys.stderr)
         sys.exit(2)
