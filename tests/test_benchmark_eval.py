@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, cli_in_process, run_cli, sets
+from conftest import CONFIGS, TINY, cli_in_process, run_cli, sets
 from test_bad_input import fail
 from titan_async import cli
 
@@ -147,3 +147,56 @@ def test_bad_counts_are_one_line(argument, value, capsys):
 def test_counts_without_tasks_are_one_line(capsys):
     err = fail(capsys, "eval", "--checkpoint", "x", "--limit", "3")
     assert err == "titan-async: --limit: applies only with --tasks"
+
+
+def tensorboard_scalars(folder: Path, tag: str) -> dict[int, float]:
+    """Step -> value of scalar `tag` in every TensorBoard event file under `folder`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values = {}
+    for events in folder.rglob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        if tag in accumulator.Tags()["scalars"]:
+            values.update({event.step: event.value for event in accumulator.Scalars(tag)})
+    return values
+
+
+def test_benchmarks_during_training_with_2bw_on_pp2(tmp_path):
+    """`[eval]` with PipeDream2BW on PP 2: the task's accuracy is logged at steps 3 and 6
+    (metrics.jsonl rows of kind "benchmark", TensorBoard, RUN/benchmarks), and equals lm-eval's
+    Hugging Face path on the export of each step's checkpoint."""
+    yaml = write_task(tmp_path / "task")
+    run_dir = tmp_path / "run"
+    result = run_cli("train", "--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--nproc-per-node", "2", "--run-dir", str(run_dir),
+                     *sets(*TINY, "parallelism.pipeline_parallel_schedule=PipeDream2BW", "training.steps=6", "checkpoint.interval=3",
+                           "validation.enable=false", f'eval.tasks=["{yaml}"]', f"eval.limit={LIMIT}", f"eval.num_fewshot={FEWSHOT}"),
+                     env=OFFLINE)
+    rows = {row["step"]: row for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if row["kind"] == "benchmark"}
+    assert sorted(rows) == [3, 6], result.stderr[-3000:]
+    assert f"benchmark step 3 | {TASK}/acc" in result.stdout
+    logged = tensorboard_scalars(run_dir / "tb", f"benchmark/{TASK}/acc")
+    for step in (3, 6):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["export", "--checkpoint", str(run_dir / "checkpoint" / f"step-{step}"), "--out", str(tmp_path / f"hf-{step}")])
+        assert exit_info.value.code == 0
+        theirs = reference(tmp_path / f"hf-{step}", yaml)
+        assert rows[step][f"benchmark/{TASK}/acc"] == theirs["acc,none"]
+        assert rows[step][f"benchmark/{TASK}/acc_norm"] == theirs["acc_norm,none"]
+        assert logged[step] == pytest.approx(theirs["acc,none"])  # TensorBoard stores float32
+        stored = json.loads((run_dir / "benchmarks" / f"step-{step}.json").read_text())["tasks"][TASK]
+        assert stored["metrics"]["acc"] == theirs["acc,none"] and stored["samples"] == LIMIT
+
+
+@pytest.mark.parametrize("assignment, named", [
+    ('eval.tasks=["missing.yaml"]', "eval.tasks: no such task file missing.yaml"),
+    ("eval.freq=4", "eval.freq (4) must be a multiple of checkpoint.interval (3)"),
+    ("checkpoint.enable=false", "eval.tasks evaluates the run's checkpoints; set checkpoint.enable = true"),
+    ("eval.limit=0", "eval.limit: expected a positive integer, got 0"),
+])
+def test_a_bad_eval_section_is_one_line(tmp_path, capsys, assignment, named):
+    yaml = write_task(tmp_path / "task")
+    err = fail(capsys, "train", "--run-dir", str(tmp_path / "run"),
+               *sets(*TINY, "checkpoint.interval=3", f'eval.tasks=["{yaml}"]', assignment))
+    assert named in err, err
+    assert not (tmp_path / "run").exists()

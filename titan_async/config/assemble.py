@@ -126,6 +126,7 @@ def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncT
             debug=run.debug,
             comm=run.comm,
             health=run.health,
+            eval=run.eval,
         )
     except ValueError as err:
         raise UserError(f"{run.source}: {err}") from None

@@ -23,6 +23,7 @@ from titan_async.pipeline.config import (
     DelayTraining, PipelineParallelism, check_activation_checkpoint, check_pipeline, microbatches,
 )
 from titan_async.pipeline.schedules import streaming_schedule
+from titan_async.train.benchmarks import EvalSection
 from titan_async.train.health import HealthSection
 from titan_async.train.progress import RunMetrics, RunValidator
 
@@ -47,6 +48,7 @@ def _default_sections() -> dict[str, Any]:
         "checkpoint": CheckpointManager.Config(enable=True, last_save_model_only=False, initial_load_model_only=False),
         "metrics": RunMetrics.Config(log_freq=1, enable_tensorboard=True),
         "validation": RunValidator.Config(enable=True, freq=100, steps=20),
+        "eval": EvalSection(),
         "activation_checkpoint": ActivationCheckpointSection(),
         "compile": CompileConfig(),
         "debug": DebugConfig(seed=0),
@@ -71,6 +73,7 @@ class RunConfig:
     checkpoint: CheckpointManager.Config
     metrics: RunMetrics.Config
     validation: RunValidator.Config
+    eval: EvalSection
     activation_checkpoint: ActivationCheckpointSection
     compile: CompileConfig
     debug: DebugConfig
@@ -141,6 +144,7 @@ class RunConfig:
         self._check_mixture_of_experts()
         problem = check_pipeline(t, p, dp, self.microbatches())
         problem = problem or check_activation_checkpoint(p, self.activation_checkpoint.mode)
+        problem = problem or self.eval.check(self.checkpoint, self.model.family)
         if problem:
             raise UserError(f"{self.source}: {problem}")
         if streaming_schedule(p.pipeline_parallel_schedule) and self.checkpoint.async_mode != "disabled":
@@ -303,7 +307,7 @@ POSITIVE_COUNTS = (
     "training.steps", "training.local_batch_size", "training.seq_len", "training.gc_freq",
     "parallelism.pipeline_parallel_microbatch_size", "parallelism.paci.accumulation", "optimizer.muon.ns_steps",
     "lr_scheduler.total_steps", "metrics.log_freq", "validation.freq", "validation.steps",
-    "training.global_batch_size",
+    "training.global_batch_size", "eval.freq", "eval.limit", "eval.batch_size",
 )
 AUTO_COUNTS = ("training.global_batch_size", "validation.steps")
 

@@ -75,13 +75,18 @@ class ProgressDisplay:
         self.history.setdefault("first_loss", metrics[LOSS])
         self.history["last_loss"] = metrics[LOSS]
         self.history["peak_memory_gib"] = max(self.history.get("peak_memory_gib", 0), metrics.get(MEMORY, 0))
-        self._show(" | ".join(f"{k} {v}" for k, v in self.rows.items() if k != "validation_loss"))
+        self._show(" | ".join(f"{k} {v}" for k, v in self.rows.items() if k not in ("validation_loss", "benchmark")))
 
     def validation(self, step: int, loss: float) -> None:
         self.rows["validation_loss"] = f"{loss:.4f} (step {step})"
         self.history.setdefault("first_validation_loss", loss)
         self.history["last_validation_loss"] = loss
         self._show(f"validation step {step} | loss {loss:.4f}")
+
+    def benchmark(self, step: int, metrics: dict[str, float]) -> None:
+        scores = ", ".join(f"{key.removeprefix('benchmark/')} {value:.4f}" for key, value in metrics.items())
+        self.rows["benchmark"] = f"{scores} (step {step})"
+        self._show(f"benchmark step {step} | {scores}")
 
     def _show(self, line: str) -> None:
         if self.live:
@@ -104,6 +109,10 @@ class ProgressDisplay:
         self.console.print(summary)
 
 
+def _benchmark(metrics: dict[str, Any]) -> bool:
+    return any(key.startswith("benchmark/") for key in metrics)
+
+
 class _TeeLogger(BaseLogger):
     """Forwards scalars to torchtitan's loggers, metrics.jsonl and the display."""
 
@@ -114,13 +123,15 @@ class _TeeLogger(BaseLogger):
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         self.inner.log(metrics, step)
-        kind = "validation" if VALIDATION_LOSS in metrics else "train"
+        kind = "validation" if VALIDATION_LOSS in metrics else "benchmark" if _benchmark(metrics) else "train"
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, "kind": kind, **metrics}) + "\n")
         if self.display is None:
             return
         if kind == "validation":
             self.display.validation(step, metrics[VALIDATION_LOSS])
+        elif kind == "benchmark":
+            self.display.benchmark(step, metrics)
         else:
             self.display.train_step(step, metrics)
 

@@ -48,6 +48,7 @@ from titan_async.pipeline.stream import StreamEngine
 from titan_async.pipeline.trace import Timeline
 from titan_async.pipeline.transport import LocalTransport
 from titan_async.pipeline.versions import LocalAccumulation, OneStepDelay, TwoVersions, make_policy, two_versions
+from titan_async.train.benchmarks import EvalSection, PeriodicBenchmarks
 from titan_async.train.health import HealthGuard, HealthSection, skips_on_device
 from titan_async.train.late_read import LateRead
 
@@ -170,6 +171,7 @@ class AsyncTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
         health: HealthSection = field(default_factory=HealthSection)
+        eval: EvalSection = field(default_factory=EvalSection)
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
@@ -202,6 +204,30 @@ class AsyncTrainer(Trainer):
             self.checkpointer.states["weight_versions"] = WeightVersionState(policies, self.balances, self)
             if any(isinstance(policy, TwoVersions) for policy, _ in policies.values()):
                 self.checkpointer.states[MODEL] = LiveModelState(self.model_parts)
+        self.benchmarks = self._benchmark_after_saves(config)
+
+    def _benchmark_after_saves(self, config: Config) -> PeriodicBenchmarks | None:
+        """On the rank that writes metrics.jsonl, with `[eval] tasks`: evaluate the checkpoints
+        of the benchmark steps once saved, and log finished evaluations at each step's save call
+        (torchtitan calls `checkpointer.save` every step; it saves on the interval)."""
+        if not config.eval.tasks or self.metrics_processor.tee is None:
+            return None
+        benchmarks = PeriodicBenchmarks(config.eval, config.checkpoint.interval, Path(config.dump_folder),
+                                        self.metrics_processor.logger.log)
+        checkpointer, save = self.checkpointer, self.checkpointer.save
+
+        def save_then_benchmark(step: int, last_step: bool = False) -> bool:
+            saved = save(step, last_step=last_step)
+            pending = getattr(checkpointer, "save_future", None)  # asynchronous modes write later
+            if saved and pending is not None and not pending.done():
+                pending.result()
+            if saved:
+                benchmarks.after_save(step)
+            benchmarks.log_finished()
+            return saved
+
+        checkpointer.save = save_then_benchmark
+        return benchmarks
 
     def _stage_group(self) -> dist.ProcessGroup | None:
         """The ranks that decide a stage's update together: under a streaming schedule those that
@@ -554,6 +580,8 @@ class AsyncTrainer(Trainer):
         self.metrics_processor.start_display(self.config.training.steps)
         try:
             super().train()
+            if self.benchmarks is not None:
+                self.benchmarks.finish()
         finally:
             self.metrics_processor.close_display(self.step, self.ntokens_seen)
             if self.timeline is not None and self.config.metrics.pipeline_trace:
