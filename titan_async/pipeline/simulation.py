@@ -1,0 +1,287 @@
+"""Simulated time of pipeline schedules: step time, throughput and per-rank bubble.
+
+Model: each pipeline rank is one compute stream running its action list in order; an action
+starts when its rank is free and its inputs are there. F(s, k) needs F(s-1, k) plus a transfer
+from the rank of stage s-1; the input gradient of (s, k) (a full backward B or torch's I) needs
+F(s, k) and the input gradient of (s+1, k) plus a transfer; W(s, k) needs I(s, k). A transfer
+costs latency + bytes / bandwidth of the intra-node or inter-node link (nothing between stages
+on one rank); links have no contention and transfers overlap compute. The stage -> rank
+placement is read off the action lists (torch's looped: stage s on rank s % p; V-shaped: rank r
+holds r and 2p-1-r). Optimizer steps: a synchronous schedule steps once per step on every rank
+after every rank finished the step's flushes (torchtitan's global norm and step: all wait for
+the slowest); a streaming stage steps right after the backward that completes its update
+(2BW: every m backwards, PACI: every `accumulation`), as `pipeline.executor` does, with no
+barrier. Since nothing contends but each rank's own stream, start times are computed in
+dependency order, which gives the times an event-driven run would.
+
+Steady state: several steps run and the later ones are measured, between step boundaries (the
+latest end, over ranks, of a step's optimizer step or, for a streaming window, of its actions).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+from titan_async.pipeline.actions import drain_actions, window_actions
+from titan_async.pipeline.schedules import STREAMING_SCHEDULES, TORCH_SCHEDULES
+
+F = _ComputationType.FORWARD
+B = _ComputationType.FULL_BACKWARD
+I = _ComputationType.BACKWARD_INPUT  # noqa: E741
+W = _ComputationType.BACKWARD_WEIGHT
+OVERLAP = _ComputationType.OVERLAP_F_B
+
+
+@dataclass(frozen=True)
+class Link:
+    """A point-to-point link: seconds of latency and bytes per second."""
+
+    latency: float = 0.0
+    bandwidth: float = math.inf
+
+    def transfer(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds per pipeline rank (its whole share of the model; a schedule with v stages per rank
+    gives each 1/v): one microbatch's forward and backward, and one optimizer step. When a
+    schedule splits the backward, I takes `input_fraction` of it and W the rest.
+
+    `collective` is a per-optimizer-step additive term (FSDP and replica collectives, assumed not
+    overlapped) added to each rank's optimizer step."""
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    optimizer: tuple[float, ...]
+    input_fraction: float = 0.5
+    message_bytes: float = 0.0
+    intra_node: Link = Link()
+    inter_node: Link = Link()
+    node_of_rank: tuple[int, ...] | None = None
+    """Node of each pipeline rank; None = all on one node."""
+    collective: float = 0.0
+
+    @classmethod
+    def uniform(cls, ranks: int, forward: float, backward: float, optimizer: float = 0.0, **kwargs) -> Costs:
+        return cls((forward,) * ranks, (backward,) * ranks, (optimizer,) * ranks, **kwargs)
+
+    def link(self, a: int, b: int) -> float:
+        """Seconds one message takes from rank a to rank b (0 on the same rank)."""
+        if a == b:
+            return 0.0
+        nodes = self.node_of_rank
+        same_node = nodes is None or nodes[a] == nodes[b]
+        return (self.intra_node if same_node else self.inter_node).transfer(self.message_bytes)
+
+
+@dataclass(frozen=True)
+class Task:
+    key: Hashable
+    duration: float
+    deps: tuple[tuple[Hashable, float], ...] = ()
+    """(key of a task, delay after its end) pairs."""
+
+
+@dataclass(frozen=True)
+class Result:
+    """A schedule's steady state: seconds per optimizer step and each rank's idle share."""
+
+    name: str
+    step_time: float
+    bubble: tuple[float, ...]
+
+
+def run_tasks(streams: list[list[Task]]) -> list[list[tuple[float, float]]]:
+    """(start, end) of every task of every rank's stream; ValueError naming a stuck task on a deadlock."""
+    end: dict[Hashable, float] = {}
+    times: list[list[tuple[float, float]]] = [[] for _ in streams]
+    free = [0.0] * len(streams)
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, stream in enumerate(streams):
+            while len(times[rank]) < len(stream):
+                task = stream[len(times[rank])]
+                if any(key not in end for key, _ in task.deps):
+                    break
+                start = max([free[rank], *(end[key] + delay for key, delay in task.deps)])
+                free[rank] = end[task.key] = start + task.duration
+                times[rank].append((start, free[rank]))
+                progressed = True
+    stuck = [stream[len(t)].key for stream, t in zip(streams, times) if len(t) < len(stream)]
+    if stuck:
+        raise ValueError(f"schedule deadlocks: ranks wait at {stuck}")
+    return times
+
+
+def compute_actions(actions: list[_Action | None]) -> list[_Action]:
+    """The F, B, I, W actions of a list in order (overlapped F;B pairs run one after the other;
+    communication, gradient reduction and spacing are left out)."""
+    out = []
+    for action in actions:
+        if action is None:
+            continue
+        if action.computation_type == OVERLAP:
+            out += compute_actions(list(action.sub_actions))
+        elif action.computation_type in (F, B, I, W):
+            out.append(action)
+    return out
+
+
+def placement(order: dict[int, list[_Action]]) -> dict[int, int]:
+    """Stage -> rank, as the action lists place the stages."""
+    return {a.stage_index: rank for rank, actions in order.items() for a in actions}
+
+
+def _task(action: _Action, tag: Hashable, rank_of: dict[int, int], per_rank: Counter[int], costs: Costs) -> Task:
+    """The task of `action` in flush or window `tag` (keys: (tag, stage, F | dx | W, microbatch));
+    `per_rank` counts each rank's stages."""
+    s, kind, k = action.stage_index, action.computation_type, action.microbatch_index
+    rank, stages = rank_of[s], len(rank_of)
+    share = 1 / per_rank[rank]
+    backward = costs.backward[rank] * share
+    if kind == F:
+        deps = ((((tag, s - 1, "F", k), costs.link(rank_of[s - 1], rank)),) if s > 0 else ())
+        return Task((tag, s, "F", k), costs.forward[rank] * share, deps)
+    if kind == W:
+        return Task((tag, s, "W", k), backward * (1 - costs.input_fraction), (((tag, s, "dx", k), 0.0),))
+    deps = [((tag, s, "F", k), 0.0)]
+    if s < stages - 1:
+        deps.append(((tag, s + 1, "dx", k), costs.link(rank_of[s + 1], rank)))
+    return Task((tag, s, "dx", k), backward * (costs.input_fraction if kind == I else 1.0), tuple(deps))
+
+
+def _measure(name: str, times: list[list[tuple[float, float]]], start: float, stop: float, steps: int) -> Result:
+    """Per-rank idle share of [start, stop], which spans `steps` steps."""
+    wall = stop - start
+    bubble = tuple(1 - sum(max(0.0, min(b, stop) - max(a, start)) for a, b in rank) / wall for rank in times)
+    return Result(name, wall / steps, bubble)
+
+
+def check_order(order: dict[int, list[_Action]], microbatches: int) -> None:
+    """ValueError unless every stage runs one forward and one input-gradient action (B or I) of
+    each microbatch 0..m-1, and a W for each I."""
+    for stage in sorted(placement(order)):
+        mine = [a for actions in order.values() for a in actions if a.stage_index == stage]
+        for kinds in ((F,), (B, I)):
+            ids = sorted(a.microbatch_index for a in mine if a.computation_type in kinds)
+            if ids != list(range(microbatches)):
+                raise ValueError(f"stage {stage} runs {'/'.join(k.value for k in kinds)} of microbatches {ids}, not 0..{microbatches - 1}")
+        if sorted(a.microbatch_index for a in mine if a.computation_type == I) != sorted(a.microbatch_index for a in mine if a.computation_type == W):
+            raise ValueError(f"stage {stage}: its I and W actions differ")
+
+
+def one_f_one_b(ranks: int, microbatches: int) -> dict[int, list[_Action]]:
+    """1F1B: one drained window of the streaming stream (`actions`), stage s running min(m, p - s)
+    forwards, then a backward and a forward in turn, then the backwards left: the order torch's
+    Schedule1F1B runs. (torch 2.x's own IR of it, `_get_pipeline_order`, numbers the last rank's
+    forwards 1..m.)"""
+    return {s: window_actions(s, ranks, microbatches, 0, drained=True) + drain_actions(s, ranks, microbatches, 0)
+            for s in range(ranks)}
+
+
+def torch_order(name: str, ranks: int, microbatches: int) -> dict[int, list[_Action]]:
+    """Rank -> compute actions of one flush of torch's schedule `name` as torch builds them (its
+    schedule visualizer's helper, on mock stages; multi-stage schedules get 2 stages per rank),
+    1F1B from `one_f_one_b`. torch's error, or `check_order`'s, when it cannot be built for p, m."""
+    if name == "1F1B":
+        return one_f_one_b(ranks, microbatches)
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    order = {rank: compute_actions(actions) for rank, actions in enumerate(get_schedule_ops(name, ranks, microbatches))}
+    check_order(order, microbatches)
+    return order
+
+
+def simulate_synchronous(name: str, order: dict[int, list[_Action]], costs: Costs, flushes: int = 1, steps: int = 3) -> Result:
+    """`steps` optimizer steps of `flushes` flushes of `order` each, then a global barrier and each
+    rank's optimizer step; the steps after the first are measured."""
+    rank_of = placement(order)
+    per_rank = Counter(rank_of.values())
+    ranks = len(order)
+    streams: list[list[Task]] = [[] for _ in range(ranks)]
+    step_at: list[list[int]] = [[] for _ in range(ranks)]
+    for step in range(steps):
+        for flush in range(step * flushes, (step + 1) * flushes):
+            for rank in range(ranks):
+                streams[rank] += [_task(a, flush, rank_of, per_rank, costs) for a in order[rank]]
+        barrier = tuple((stream[-1].key, 0.0) for stream in streams)
+        for rank in range(ranks):
+            step_at[rank].append(len(streams[rank]))
+            streams[rank].append(Task(("step", step, rank), costs.optimizer[rank] + costs.collective, barrier))
+    times = run_tasks(streams)
+    boundary = [max(times[r][step_at[r][step]][1] for r in range(ranks)) for step in range(steps)]
+    return _measure(name, times, boundary[0], boundary[-1], steps - 1)
+
+
+def streaming_streams(ranks: int, microbatches: int, windows: int, costs: Costs, update_every: int) -> tuple[list[list[Task]], list[list[int]]]:
+    """Each stage's tasks for `windows` windows of the streaming stream (`actions.window_actions`),
+    an optimizer step after every `update_every`-th backward, and each task's window."""
+    rank_of = {s: s for s in range(ranks)}
+    per_rank = Counter(rank_of.values())
+    streams: list[list[Task]] = [[] for _ in range(ranks)]
+    window_of: list[list[int]] = [[] for _ in range(ranks)]
+    for stage in range(ranks):
+        for window in range(windows):
+            for action in window_actions(stage, ranks, microbatches, window, drained=False):
+                streams[stage].append(_task(action, 0, rank_of, per_rank, costs))
+                window_of[stage].append(window)
+                if action.computation_type == B and (action.microbatch_index + 1) % update_every == 0:
+                    streams[stage].append(Task(("step", stage, action.microbatch_index), costs.optimizer[stage] + costs.collective))
+                    window_of[stage].append(window)
+    return streams, window_of
+
+
+def simulate_streaming(name: str, ranks: int, microbatches: int, costs: Costs, update_every: int | None = None,
+                       windows: int | None = None) -> Result:
+    """The streaming stream (one stage per rank) for `windows` windows (default p + 6), stepping
+    each stage after every `update_every` backwards (default m: 2BW); measured from the middle
+    window to the third-last (the last two keep every rank busy past the end of the measure)."""
+    windows = windows or ranks + 6
+    streams, window_of = streaming_streams(ranks, microbatches, windows, costs, update_every or microbatches)
+    times = run_tasks(streams)
+    boundary = [0.0] * windows
+    for rank in range(ranks):
+        for (_, end), window in zip(times[rank], window_of[rank]):
+            boundary[window] = max(boundary[window], end)
+    first, last = windows // 2, windows - 3
+    return _measure(name, times, boundary[first - 1], boundary[last], last - first + 1)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A schedule's result with its throughput ratios (step time of the reference / its own)."""
+
+    result: Result
+    vs_1f1b: float
+    vs_best_synchronous: float
+
+
+def compare(ranks: int, microbatches: int, costs: Costs, *, flushes: int = 1, accumulation: int | None = None,
+            schedules: tuple[str, ...] = TORCH_SCHEDULES + tuple(STREAMING_SCHEDULES)) -> tuple[list[Comparison], dict[str, str]]:
+    """Every schedule of `schedules` for p = `ranks` and m = `microbatches` per flush (a streaming
+    window holds `flushes` x m; PACI steps every `accumulation` backwards, default the window),
+    and name -> why it was skipped (torch could not build it). Ratios need 1F1B among the results."""
+    results, skipped = [], {}
+    window = microbatches * flushes
+    for name in schedules:
+        if name in STREAMING_SCHEDULES:
+            every = (accumulation or window) if name == "PACI" else window
+            results.append(simulate_streaming(name, ranks, window, costs, every))
+            continue
+        try:
+            order = torch_order(name, ranks, microbatches)
+        except Exception as err:  # torch refuses some (p, m) in its own words
+            skipped[name] = f"{type(err).__name__}: {err}".splitlines()[0]
+            continue
+        results.append(simulate_synchronous(name, order, costs, flushes))
+    baseline = next(r.step_time for r in results if r.name == "1F1B")
+    best = min(r.step_time for r in results if r.name not in STREAMING_SCHEDULES)
+    return [Comparison(r, baseline / r.step_time, best / r.step_time) for r in results], skipped
