@@ -106,6 +106,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-memory", default="80GiB", help="memory per GPU, e.g. 80GiB or 141GB (default: 80GiB)")
     plan.add_argument("--strict", action="store_true", help="exit with status 1 if some GPU would run out of memory")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.add_argument("--simulate", action="store_true", help="simulate every schedule on the cluster: tokens/s, bubble, ratios")
+    plan.add_argument("--mfu", type=float, default=0.4, help="--simulate: model FLOPs utilisation of compute (default: 0.4)")
+    plan.add_argument("--peak-tflops", type=float, default=989.0, help="--simulate: peak TFLOP/s per GPU (default: 989, H100 bf16)")
+    plan.add_argument("--intra-node-gbps", type=float, default=450.0, help="--simulate: GB/s within a node (default: 450)")
+    plan.add_argument("--inter-node-gbps", type=float, default=50.0, help="--simulate: GB/s between nodes (default: 50)")
 
     config = commands.add_parser("config", help="inspect configs")
     config_commands = config.add_subparsers(dest="config_command", required=True)
@@ -286,7 +291,12 @@ def _plan(args) -> int:
     from titan_async.config.run_config import load_run_config
 
     cluster = Cluster.parse(args.nodes, args.gpus_per_node, args.gpu_memory)
-    return run_plan(load_run_config(_config_path(args.config), args.set), cluster, args.strict, args.json)
+    simulation = None
+    if args.simulate:
+        from titan_async.commands.plan.simulate import SimulationOptions
+
+        simulation = SimulationOptions(args.mfu, args.peak_tflops, args.intra_node_gbps, args.inter_node_gbps)
+    return run_plan(load_run_config(_config_path(args.config), args.set), cluster, args.strict, args.json, simulation)
 
 
 def _config_show(args) -> int:

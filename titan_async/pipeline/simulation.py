@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
@@ -265,23 +265,26 @@ class Comparison:
 
 
 def compare(ranks: int, microbatches: int, costs: Costs, *, flushes: int = 1, accumulation: int | None = None,
-            schedules: tuple[str, ...] = TORCH_SCHEDULES + tuple(STREAMING_SCHEDULES)) -> tuple[list[Comparison], dict[str, str]]:
+            schedules: tuple[str, ...] = TORCH_SCHEDULES + tuple(STREAMING_SCHEDULES),
+            costs_of: Callable[[str], Costs] | None = None) -> tuple[list[Comparison], dict[str, str]]:
     """Every schedule of `schedules` for p = `ranks` and m = `microbatches` per flush (a streaming
     window holds `flushes` x m; PACI steps every `accumulation` backwards, default the window),
-    and name -> why it was skipped (torch could not build it). Ratios need 1F1B among the results."""
+    and name -> why it was skipped (torch could not build it). `costs_of(name)`, when given,
+    replaces `costs` per schedule. Ratios need 1F1B among the results."""
     results, skipped = [], {}
     window = microbatches * flushes
     for name in schedules:
+        cost = costs_of(name) if costs_of else costs
         if name in STREAMING_SCHEDULES:
             every = (accumulation or window) if name == "PACI" else window
-            results.append(simulate_streaming(name, ranks, window, costs, every))
+            results.append(simulate_streaming(name, ranks, window, cost, every))
             continue
         try:
             order = torch_order(name, ranks, microbatches)
         except Exception as err:  # torch refuses some (p, m) in its own words
             skipped[name] = f"{type(err).__name__}: {err}".splitlines()[0]
             continue
-        results.append(simulate_synchronous(name, order, costs, flushes))
+        results.append(simulate_synchronous(name, order, cost, flushes))
     baseline = next(r.step_time for r in results if r.name == "1F1B")
     best = min(r.step_time for r in results if r.name not in STREAMING_SCHEDULES)
     return [Comparison(r, baseline / r.step_time, best / r.step_time) for r in results], skipped

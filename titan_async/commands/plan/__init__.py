@@ -7,7 +7,8 @@ run (`dry_run`) then sets up the real world size with torch's fake process group
 torchtitan's `comm.mode = "fake_backend"` uses), one inspected rank at a time, and builds that
 rank's stage, FSDP2 wrapping, optimizer state and weight versions on the meta device, and its
 action list; the bytes those meta tensors stand for are compared with the estimate. `command`
-puts both into one JSON-ready plan, which `render` prints.
+puts both into one JSON-ready plan, which `render` prints; with `--simulate`, `simulate` adds
+each schedule's simulated step time, tokens/s and bubble (`titan_async.pipeline.simulation`).
 
 The layout is the one `train` would build (`titan_async.config.assemble`): FSDP2 wraps
 every stage except the streaming schedules' stages without data parallelism; replicas

@@ -19,6 +19,7 @@ from titan_async.commands.plan.estimate import (
 )
 from titan_async.commands.plan.memory import compare_schedules, gib
 from titan_async.commands.plan.render import print_plan
+from titan_async.commands.plan.simulate import SimulationOptions, simulate_plan
 from titan_async.config.assemble import plain_parameters
 from titan_async.config.run_config import RunConfig
 from titan_async.core.errors import UserError
@@ -26,9 +27,10 @@ from titan_async.model.meta import build_meta_model
 from titan_async.pipeline.schedules import SCHEDULE_NAMES, register as register_schedules
 
 
-def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True) -> dict[str, Any]:
+def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True, simulation: SimulationOptions | None = None) -> dict[str, Any]:
     """Everything `plan` reports, as one JSON-ready object; with `gpu` False its memory is that of
-    CPU processes (gloo, CPU Newton-Schulz dtype) in place of the cluster's GPUs."""
+    CPU processes (gloo, CPU Newton-Schulz dtype) in place of the cluster's GPUs; with
+    `simulation`, each schedule simulated on the cluster under "simulation"."""
     check_world_size(run, cluster)
     if run.model.family != "llama3":
         raise UserError(f"{run.source}: model.family = {run.model.family!r}: plan estimates llama3 models only so far")
@@ -60,6 +62,8 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True) -> dict[str, A
             )
     sizes = run.model.resolved(vocab)
     t = run.training
+    tokens_per_step = t.local_batch_size * t.seq_len * run.data_parallel_degree(cluster.world_size) * layout.accumulation_steps
+    simulated = simulation and simulate_plan(run, layout, model.module, shapes, setup, cluster, simulation, tokens_per_step)
     schedules = compare_schedules(layout.pipeline_stages(), layout.microbatches, layout.accumulation_steps)
     for entry in schedules:
         entry["selected"] = entry["name"].lower() == layout.schedule.lower() and layout.pipeline_stages() > 1
@@ -89,7 +93,7 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True) -> dict[str, A
             "window": layout.window,
             "windows_per_step": layout.windows_per_step,
             "microbatch_tokens": setup.tokens,
-            "tokens_per_step": t.local_batch_size * t.seq_len * run.data_parallel_degree(cluster.world_size) * layout.accumulation_steps,
+            "tokens_per_step": tokens_per_step,
             "fsdp_applied": layout.fsdp_applied,
             "param_dtype": t.dtype,
             "compute_dtype": t.mixed_precision_param if layout.fsdp_applied else t.dtype,
@@ -106,12 +110,14 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True) -> dict[str, A
         "communication": communication(layout, shapes, setup, run.parallelism.paci.accumulation),
         "dry_run": {"ranks": dry_run(run, layout, model, cluster.world_size, rows), "note": ESTIMATE_ONLY_NOTE},
         "warnings": warnings,
+        **({"simulation": simulated} if simulated else {}),
     }
 
 
-def run_plan(run: RunConfig, cluster: Cluster, strict: bool, as_json: bool) -> int:
-    """Print the plan; 1 if `strict` and some rank does not fit, else 0. Warnings go to stderr."""
-    plan = make_plan(run, cluster)
+def run_plan(run: RunConfig, cluster: Cluster, strict: bool, as_json: bool, simulation: SimulationOptions | None = None) -> int:
+    """Print the plan (with `simulation`, the simulated schedules too); 1 if `strict` and some
+    rank does not fit, else 0. Warnings go to stderr."""
+    plan = make_plan(run, cluster, simulation=simulation)
     print_plan(plan, as_json)
     for warning in plan["warnings"]:
         print(f"titan-async: warning: {warning}", file=sys.stderr)

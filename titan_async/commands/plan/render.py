@@ -135,6 +135,24 @@ def _dry_run_table(plan: dict[str, Any]) -> Table:
     return table
 
 
+def _simulation_table(plan: dict[str, Any]) -> Table:
+    layout = plan["layout"]
+    return Table(
+        f"Simulated schedules (p = {layout['pipeline_parallel']} ranks, m = {layout['microbatches']} microbatches per flush, "
+        f"{layout['tokens_per_step']:,} tokens per step; bubble: idle share of the busiest rank, and its mean over ranks, "
+        "which adds the stages' imbalance; ratios: tokens/s over theirs)",
+        ["schedule", "bubble", "mean", "vs 1F1B", "vs best sync", "tokens/s", "step (s)", ""],
+        [[s["name"], f"{min(s['bubble']):.1%}", f"{sum(s['bubble']) / len(s['bubble']):.1%}", f"{s['vs_1f1b']:.3f}x",
+          f"{s['vs_best_synchronous']:.3f}x", f"{s['tokens_per_second']:,.0f}", f"{s['step_seconds']:.3f}",
+          "<- this config" if s["selected"] else ""] for s in plan["simulation"]["schedules"]],
+    )
+
+
+def _simulation_notes(simulation: dict[str, Any]) -> list[str]:
+    return ([f"not simulated: {name}: {why}" for name, why in simulation["skipped"].items()]
+            + [f"assumed: {line}" for line in simulation["assumptions"]])
+
+
 def _header(plan: dict[str, Any]) -> list[str]:
     m, l = plan["model"], plan["layout"]
     schedule = l["schedule"] if l["pipeline_stages"] > 1 else "no pipeline"
@@ -201,3 +219,10 @@ def print_plan(plan: dict[str, Any], as_json: bool) -> None:
             more = " ..." if len(rank["actions"]) > 16 else ""
             repeated = f", {flushes} flushes per step" if flushes > 1 else ""
             print(f"rank {rank['rank']} actions ({len(rank['actions'])}{repeated}): {' '.join(rank['actions'][:16])}{more}")
+    if "simulation" in plan:
+        table = _simulation_table(plan)
+        if sys.stdout.isatty():
+            _print_rich([], [table])
+        else:
+            print("\n" + _plain(table))
+        print("\n".join(_simulation_notes(plan["simulation"])))

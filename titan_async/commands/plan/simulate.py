@@ -1,0 +1,166 @@
+"""`plan --simulate`: every schedule's predicted step time, tokens/s and bubble for a config's
+layout, from `pipeline.simulation` with costs derived from FLOPs at a given MFU.
+
+Costs per pipeline rank (its stages as the config splits them; a schedule with v stages per
+rank gives each 1/v):
+- forward + backward of one microbatch: the stages' training FLOPs per GPU
+  (`optim.muon_cost.stage_costs`: 6 x matmul weights x tokens plus causal attention, / TP x CP)
+  at `mfu` x `peak_tflops`, split 1:2; full activation checkpointing adds a forward to the
+  backward (selective recomputation is not counted); a split backward gives I and W half each.
+- optimizer step: Muon's Newton-Schulz FLOPs on the busiest rank of the stage's Muon group
+  at the same MFU, plus the element-wise update (ELEMENTWISE_PASSES passes over the rank's
+  weight shard in the parameter dtype, 2 more with error feedback) at HBM_BYTES_PER_S.
+- messages between stages: the stage-boundary tensor of one microbatch on one GPU (tokens x
+  dim in the compute dtype), over the intra-node link when both pipeline ranks' first GPUs are
+  on one node, else the inter-node link.
+- FSDP all-gather + reduce-scatter and the replica all-reduce: the bytes `memory.fsdp_traffic_bytes`
+  predicts per step, as ring collectives over the link their group spans, fully exposed (an
+  upper bound: runtimes overlap part of them), added to each optimizer step. TP's collectives
+  are left to the MFU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+
+from titan_async.commands.plan.estimate import Cluster, Layout
+from titan_async.commands.plan.memory import Setup, StageShape, fsdp_traffic_bytes, reductions_per_step
+from titan_async.config.run_config import RunConfig
+from titan_async.core.errors import UserError
+from titan_async.optim.muon_cost import stage_costs
+from titan_async.optim.routing import route_parameters
+from titan_async.pipeline.schedules import SCHEDULE_NAMES, STREAMING_SCHEDULES
+from titan_async.pipeline.simulation import Costs, Link, compare
+
+HBM_BYTES_PER_S = 3.35e12
+"""H100 SXM memory bandwidth, for the optimizer's element-wise passes."""
+ELEMENTWISE_PASSES = 7
+"""AdamW's update reads weight, gradient and 2 moments and writes weight and 2 moments."""
+INTRA_NODE_LATENCY = 2e-6
+INTER_NODE_LATENCY = 10e-6
+
+
+@dataclass(frozen=True)
+class SimulationOptions:
+    """The hardware `plan --simulate` assumes."""
+
+    mfu: float = 0.4
+    peak_tflops: float = 989.0
+    intra_node_gbps: float = 450.0
+    inter_node_gbps: float = 50.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.mfu <= 1:
+            raise UserError(f"--mfu {self.mfu:g}: must be in (0, 1]")
+        for flag, value in (("--peak-tflops", self.peak_tflops), ("--intra-node-gbps", self.intra_node_gbps),
+                            ("--inter-node-gbps", self.inter_node_gbps)):
+            if not value > 0:
+                raise UserError(f"{flag} {value:g}: must be positive")
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.mfu * self.peak_tflops * 1e12
+
+
+def _links(options: SimulationOptions) -> tuple[Link, Link]:
+    return Link(INTRA_NODE_LATENCY, options.intra_node_gbps * 1e9), Link(INTER_NODE_LATENCY, options.inter_node_gbps * 1e9)
+
+
+def rank_costs(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes: list[StageShape], setup: Setup,
+               cluster: Cluster, options: SimulationOptions) -> Costs:
+    """The simulation's costs of every pipeline rank of `layout` (module docstring)."""
+    p = run.parallelism
+    split = setup.tp * p.context_parallel_degree
+    stages = stage_costs(
+        route_parameters(model), layout.stage_modules, fsdp=setup.muon_group, ns_steps=setup.ns_steps,
+        ns_dtype=getattr(torch, setup.ns_dtype), state_bytes=setup.param_bytes,
+        tokens=p.pipeline_parallel_microbatch_size * run.training.seq_len, seq_len=run.training.seq_len, dim=setup.dim,
+    )
+    muon = run.optimizer.name == "muon"
+    passes = ELEMENTWISE_PASSES + 2 * setup.error_feedback
+    forward, backward, optimizer = [], [], []
+    for rank, indices in enumerate(layout.rank_stages):
+        flops = sum(stages[i].training_flops for i in indices) / split / options.flops_per_s
+        recompute = flops / 3 if setup.activation_checkpoint == "full" else 0.0
+        forward.append(flops / 3)
+        backward.append(2 * flops / 3 + recompute)
+        newton_schulz = sum(stages[i].newton_schulz_flops for i in indices) if muon else 0
+        local = sum(shapes[i].params for i in indices) / (setup.weight_shards * setup.tp)
+        optimizer.append(newton_schulz / options.flops_per_s + passes * local * setup.param_bytes / HBM_BYTES_PER_S)
+    gpus = layout.gpus_per_pp_rank(cluster.world_size)
+    intra, inter = _links(options)
+    return Costs(
+        tuple(forward), tuple(backward), tuple(optimizer),
+        message_bytes=setup.tokens * setup.dim * setup.compute_bytes,
+        intra_node=intra, inter_node=inter,
+        node_of_rank=tuple(rank * gpus // cluster.gpus_per_node for rank in range(layout.pp)),
+    )
+
+
+def collective_seconds(name: str, layout: Layout, shapes: list[StageShape], setup: Setup, cluster: Cluster,
+                       options: SimulationOptions, accumulation: int | None) -> float:
+    """Seconds of FSDP and replica collectives per optimizer step of the busiest pipeline rank
+    under schedule `name` (PACI: per local step), fully exposed ring collectives."""
+    intra, inter = _links(options)
+    gpus = layout.gpus_per_pp_rank(cluster.world_size)
+    fsdp_link = intra if setup.weight_shards * setup.tp <= cluster.gpus_per_node else inter
+    replica_link = intra if gpus <= cluster.gpus_per_node else inter
+    f, r = setup.fsdp_degree, setup.replicas
+    seconds = []
+    for indices in layout.rank_stages:
+        moved = fsdp_traffic_bytes(name, [shapes[i] for i in indices], setup, layout.microbatches,
+                                   layout.accumulation_steps, accumulation)
+        seconds.append((moved["all_gather"] + moved["reduce_scatter"]) * (f - 1) / f / fsdp_link.bandwidth
+                       + moved["all_reduce"] * 2 * (r - 1) / r / replica_link.bandwidth)
+    steps = reductions_per_step(name, layout.microbatches, layout.accumulation_steps, accumulation) if name == "PACI" else 1
+    return max(seconds) / steps
+
+
+def simulate_plan(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes: list[StageShape], setup: Setup,
+                  cluster: Cluster, options: SimulationOptions, tokens_per_step: int) -> dict[str, Any]:
+    """The "simulation" part of a plan: every schedule's step time, tokens/s, per-rank bubble and
+    ratios, the schedules torch could not build, and the assumptions in words."""
+    if layout.pp < 2:
+        raise UserError(f"{run.source}: --simulate needs parallelism.pipeline_parallel_degree >= 2")
+    costs = rank_costs(run, layout, model, shapes, setup, cluster, options)
+    accumulation = run.parallelism.paci.accumulation
+    collectives = {name: collective_seconds(name, layout, shapes, setup, cluster, options, accumulation) for name in SCHEDULE_NAMES}
+    rows, skipped = compare(layout.pp, layout.microbatches, costs, flushes=layout.accumulation_steps, accumulation=accumulation,
+                            costs_of=lambda name: replace(costs, collective=collectives[name]))
+    schedules = [{
+        "name": row.result.name,
+        "step_seconds": row.result.step_time,
+        "tokens_per_second": tokens_per_step / row.result.step_time,
+        "bubble": list(row.result.bubble),
+        "vs_1f1b": row.vs_1f1b,
+        "vs_best_synchronous": row.vs_best_synchronous,
+        "collective_seconds": collectives[row.result.name],
+        "streaming": row.result.name in STREAMING_SCHEDULES,
+        "selected": row.result.name.lower() == layout.schedule.lower(),
+    } for row in rows]
+    link = (f"links: intra-node {options.intra_node_gbps:g} GB/s + {INTRA_NODE_LATENCY * 1e6:g} us, inter-node "
+            f"{options.inter_node_gbps:g} GB/s + {INTER_NODE_LATENCY * 1e6:g} us; a message is "
+            f"{costs.message_bytes / 1e6:.1f} MB (one microbatch's stage-boundary tensor)")
+    assumptions = [
+        f"compute at MFU {options.mfu:g} of {options.peak_tflops:g} TFLOP/s per GPU: 6 x matmul weights x tokens + "
+        "causal attention, forward:backward 1:2 (a split backward: I and W half each), full recomputation adds a forward, "
+        "selective is not counted; TP collectives are inside the MFU",
+        f"per microbatch and pipeline rank, forward {_ms(costs.forward)} ms, backward {_ms(costs.backward)} ms; "
+        f"optimizer step {_ms(costs.optimizer)} ms (Newton-Schulz FLOPs of the busiest Muon owner at the same MFU + "
+        f"element-wise passes at {HBM_BYTES_PER_S / 1e12:g} TB/s)",
+        link,
+        f"FSDP and replica collectives: plan's bytes per step as ring collectives, fully exposed, added to each "
+        f"optimizer step (an upper bound): {_ms(tuple(collectives.values()))} ms",
+        "synchronous schedules: every rank waits for the slowest, then steps; streaming: each stage steps on its own "
+        "(2BW every window, PACI every `accumulation` backwards); interleaved and V-shaped schedules: 2 stages per rank, "
+        "half the rank's costs each; steady state (later steps measured); links without contention",
+    ]
+    return {"schedules": schedules, "skipped": skipped, "costs": asdict(costs), "assumptions": assumptions}
+
+
+def _ms(values: tuple[float, ...]) -> str:
+    low, high = min(values) * 1e3, max(values) * 1e3
+    return f"{low:.1f}" if abs(high - low) < 0.05 else f"{low:.1f}-{high:.1f}"
