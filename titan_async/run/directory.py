@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from pathlib import Path
 
 from titan_async.core.errors import UserError
@@ -37,8 +38,12 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def save_launch(run_dir: Path, config_toml: str, nproc_per_node: int) -> None:
+    """Store the resolved config and the launch settings; the run's `run_id` (what names its
+    W&B runs) is made on the first launch and kept by later ones (`resume`)."""
+    launch = run_dir / LAUNCH_FILE
+    run_id = json.loads(launch.read_text()).get("run_id") if launch.is_file() else None
     write_atomic(run_dir / CONFIG_FILE, config_toml)
-    write_atomic(run_dir / LAUNCH_FILE, json.dumps({"nproc_per_node": nproc_per_node}))
+    write_atomic(launch, json.dumps({"nproc_per_node": nproc_per_node, "run_id": run_id or uuid.uuid4().hex[:16]}))
 
 
 def record_world_size(run_dir: Path, world_size: int) -> None:

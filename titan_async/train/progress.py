@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rich.console import Console
 from rich.live import Live
@@ -22,6 +22,7 @@ from torchtitan.components.validate import Validator
 from torchtitan.tools.logging import logger
 
 from titan_async.core import platform
+from titan_async.train.wandb_runs import configure_main_run
 
 LOSS = "loss_metrics/global_avg_loss"
 VALIDATION_LOSS = "validation_metrics/loss"
@@ -146,6 +147,14 @@ class RunMetrics(MetricsProcessor):
     class Config(MetricsProcessor.Config):
         pipeline_trace: bool = False
         """Record every pipeline action's start and end (streaming schedules): trace JSON and a Gantt PNG."""
+        wandb_project: str = "titan-async"
+        """The W&B project of `enable_wandb`."""
+        wandb_entity: str | None = None
+        """The W&B team or user (default: the logged-in user's)."""
+        wandb_mode: Literal["online", "offline"] = "online"
+        """offline: write the W&B runs into the run directory only, for `wandb sync` later."""
+        wandb_rank_runs: bool = True
+        """With enable_wandb, a W&B run per rank for its pipeline scalars (one run per process of the job)."""
 
     def __init__(self, config: Config, *, parallel_dims, dump_folder: str = "./outputs", pp_schedule: str = "1F1B", **kwargs):
         # torchtitan's MFU divides by a GPU's peak FLOPS; it leaves MFU out where that peak does not
@@ -153,6 +162,8 @@ class RunMetrics(MetricsProcessor):
         if platform.is_cpu():
             kwargs["has_quantization"] = True
             logger.info("mfu(%) is not reported on CPU: torchtitan computes it against a GPU's peak FLOPS")
+        if config.enable_wandb:
+            configure_main_run(Path(dump_folder), config)
         super().__init__(config, parallel_dims=parallel_dims, dump_folder=dump_folder, pp_schedule=pp_schedule, **kwargs)
         import torch.distributed as dist
 

@@ -51,6 +51,7 @@ from titan_async.pipeline.versions import LocalAccumulation, OneStepDelay, TwoVe
 from titan_async.train.benchmarks import EvalSection, PeriodicBenchmarks
 from titan_async.train.health import HealthGuard, HealthSection, skips_on_device
 from titan_async.train.late_read import LateRead
+from titan_async.train.wandb_runs import rank_run
 
 
 def _names(model: torch.nn.Module, policy) -> list[str]:
@@ -205,6 +206,7 @@ class AsyncTrainer(Trainer):
             if any(isinstance(policy, TwoVersions) for policy, _ in policies.values()):
                 self.checkpointer.states[MODEL] = LiveModelState(self.model_parts)
         self.benchmarks = self._benchmark_after_saves(config)
+        self.rank_wandb = None
 
     def _benchmark_after_saves(self, config: Config) -> PeriodicBenchmarks | None:
         """On the rank that writes metrics.jsonl, with `[eval] tasks`: evaluate the checkpoints
@@ -507,8 +509,8 @@ class AsyncTrainer(Trainer):
         weight versions beyond the live weights (shards, and gathered under FSDP); with FSDP the
         bytes all-gathered and reduce-scattered; on logging steps, which read the device anyway,
         the error-feedback correction norm): appended to <run-dir>/pipeline/rank<R>.jsonl and
-        written to TensorBoard under tb/pipeline/rank<R>, since metrics.jsonl only holds the
-        reporting rank's view."""
+        written to TensorBoard under tb/pipeline/rank<R> and to the rank's W&B run, since
+        metrics.jsonl only holds the reporting rank's view."""
         now, rank = time.time(), dist.get_rank()
         record = {
             "step": self.step,
@@ -531,14 +533,20 @@ class AsyncTrainer(Trainer):
         folder.mkdir(exist_ok=True)
         with open(folder / f"rank{rank}.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.config.metrics.enable_tensorboard:
+        scalars = {f"pipeline/{key}": value for key, value in record.items() if key not in ("step", "time") and value is not None}
+        folder = Path(self.config.dump_folder) / "tb" / "pipeline" / f"rank{rank}"
+        metrics = self.config.metrics
+        if metrics.enable_tensorboard:
             if not hasattr(self, "_rank_writer"):
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._rank_writer = SummaryWriter(Path(self.config.dump_folder) / "tb" / "pipeline" / f"rank{rank}")
-            for key, value in record.items():
-                if key not in ("step", "time") and value is not None:
-                    self._rank_writer.add_scalar(f"pipeline/{key}", value, self.step)
+                self._rank_writer = SummaryWriter(folder)
+            for key, value in scalars.items():
+                self._rank_writer.add_scalar(key, value, self.step)
+        if metrics.enable_wandb and metrics.wandb_rank_runs:
+            if self.rank_wandb is None:
+                self.rank_wandb = rank_run(Path(self.config.dump_folder), rank, metrics, folder)
+            self.rank_wandb.log(scalars, step=self.step)
 
     def _staleness(self) -> float:
         """Optimizer steps between the weights a gradient was computed at and those it updates:
@@ -584,6 +592,8 @@ class AsyncTrainer(Trainer):
                 self.benchmarks.finish()
         finally:
             self.metrics_processor.close_display(self.step, self.ntokens_seen)
+            if self.rank_wandb is not None:
+                self.rank_wandb.finish()
             if self.timeline is not None and self.config.metrics.pipeline_trace:
                 folder = Path(self.config.dump_folder) / "pipeline"
                 folder.mkdir(exist_ok=True)
