@@ -6,10 +6,10 @@ import argparse
 import logging
 import sys
 from contextlib import nullcontext
-from importlib import resources
 from pathlib import Path
 
 from titan_async import __version__
+from titan_async.config.shipped import shipped_configs
 from titan_async.core.errors import UserError
 
 DEFAULT_CONFIG = "debug_cpu"
@@ -118,12 +118,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _shipped_configs() -> Path:
-    """train_configs/ of a source checkout, or its copy installed inside the package."""
-    checkout = Path(__file__).resolve().parent.parent / "train_configs"
-    return checkout if checkout.is_dir() else Path(str(resources.files("titan_async") / "train_configs"))
-
-
 def _config_path(name: str | None) -> Path:
     """A TOML path, or a shipped config named with or without `.toml` (or as train_configs/NAME)."""
     path = Path(name or DEFAULT_CONFIG)
@@ -131,10 +125,10 @@ def _config_path(name: str | None) -> Path:
         raise UserError(f"--config {path}: is a directory; give a TOML file or the name of a shipped config")
     if path.is_file() or str(path.parent) not in (".", "train_configs") or path.suffix not in ("", ".toml"):
         return path  # a file, or a path that reading reports missing
-    shipped = _shipped_configs() / f"{path.stem}.toml"
+    shipped = shipped_configs() / f"{path.stem}.toml"
     if shipped.is_file():
         return shipped
-    names = ", ".join(sorted(p.stem for p in _shipped_configs().glob("*.toml")))
+    names = ", ".join(sorted(p.stem for p in shipped_configs().glob("*.toml")))
     raise UserError(f"--config {path}: no such file, and no shipped config of that name (shipped: {names})")
 
 
