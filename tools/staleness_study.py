@@ -10,6 +10,7 @@ PNG), the resolved config of every run, the commands and the git revision into -
 
     .venv/bin/python tools/staleness_study.py [--steps N] [--seeds 0,1] [--out DIR] [--quick]
     .venv/bin/python tools/staleness_study.py --report-only --seeds 0,1   # rebuild --out only
+    .venv/bin/python tools/staleness_study.py --moe        # the same arms on a mixture-of-experts model
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from titan_async.run.record import TRAIN_LOSS, VALIDATION_LOSS
 OPTIMIZERS = ("adamw", "muon")
 OPTIMIZER_LABELS = {"adamw": "AdamW", "muon": "Muon"}
 ANALYSIS_HEADING = "## Analysis"
+MOE = ("model.family=qwen3_moe", "model.num_experts=8", "model.top_k=2", "model.moe_hidden_dim=128",
+       "model.load_balance_coeff=0.001")
+"""--moe: the qwen3 mixture-of-experts blocks (8 experts, top-2, expert biases moved at each step)."""
 
 
 @dataclass(frozen=True)
@@ -344,10 +348,11 @@ class Settings:
     validation_freq: int
     validation_steps: int
     warmup_steps: int
+    moe: bool = False
 
     def overrides(self) -> list[str]:
         """The `--set` values common to all arms."""
-        return [
+        return [*(MOE if self.moe else ()),
             f"training.steps={self.steps}",
             f"training.seq_len={self.seq_len}",
             f"training.local_batch_size={self.batch}",
@@ -379,12 +384,12 @@ def finished(run_dir: Path, steps: int) -> bool:
     return metrics.is_file() and any(step == steps for step, _ in load_curves(metrics).validation)
 
 
-def write_readme(path: Path, rows: list[Row], claims: list[Claim], sections: dict[str, str]) -> None:
+def write_readme(path: Path, rows: list[Row], claims: list[Claim], sections: dict[str, str], model: str = "") -> None:
     """README.md: the table, the ordering verdicts and `sections` (heading -> markdown body),
     followed by the hand-written part from ANALYSIS_HEADING on of an existing README.md."""
     old = path.read_text() if path.is_file() else ""
     analysis = old[old.index(ANALYSIS_HEADING):] if ANALYSIS_HEADING in old else ""
-    parts = ["# Staleness study: one-step delay, AdamW vs Muon, with and without error feedback", "", format_table(rows), ""]
+    parts = [f"# Staleness study{model}: one-step delay, AdamW vs Muon, with and without error feedback", "", format_table(rows), ""]
     parts += ["## Ordering (paper: AdamW gap >> Muon gap; EF shrinks both)", ""]
     for c in claims:
         per_seed = ", ".join(f"seed {s} {m:+.4f}" for s, m in c.margins.items())
@@ -420,7 +425,7 @@ def collect(arms: list[Arm], runs_dir: Path) -> dict[Arm, Curves]:
     return found
 
 
-def report(arms: list[Arm], runs_dir: Path, out: Path, wall_s: dict[Arm, float], how: list[str]) -> None:
+def report(arms: list[Arm], runs_dir: Path, out: Path, wall_s: dict[Arm, float], how: list[str], model: str = "") -> None:
     """Build the table, checks, CSVs, PNG, configs and README.md in `out` from the runs in
     `runs_dir`; `how` lists the invocations (markdown lines) that trained them."""
     curves = collect(arms, runs_dir)
@@ -439,7 +444,7 @@ def report(arms: list[Arm], runs_dir: Path, out: Path, wall_s: dict[Arm, float],
         sections["How it was run"] = "\n".join(how + ["- resolved config of every run: configs/<arm>.toml; curves: curves.csv, curves.png; per-run table: table.csv"])
     if (out / "tuning.csv").is_file():
         sections["Learning-rate tuning (synchronous no-EF runs only; tuning.csv has the commands)"] = format_tuning(out / "tuning.csv")
-    write_readme(out / "README.md", rows, claims, sections)
+    write_readme(out / "README.md", rows, claims, sections, model)
     print(format_table(rows))
     for c in claims:
         print(f"{c.text}: mean margin {c.mean:+.4f} ({'holds' if c.holds else 'does not hold clearly'}, threshold {c.threshold:.4f})")
@@ -448,10 +453,10 @@ def report(arms: list[Arm], runs_dir: Path, out: Path, wall_s: dict[Arm, float],
 def settings_from(args: argparse.Namespace) -> Settings:
     """Study settings from the command line; --quick replaces the model and budget by tiny ones."""
     if args.quick:
-        return Settings(6, args.adamw_lr, args.muon_lr, args.muon_adamw_lr, 64, 2, 4, 64, 2, 3, 2, 1)
+        return Settings(6, args.adamw_lr, args.muon_lr, args.muon_adamw_lr, 64, 2, 4, 64, 2, 3, 2, 1, args.moe)
     return Settings(
         args.steps, args.adamw_lr, args.muon_lr, args.muon_adamw_lr, args.dim, args.n_layers, args.n_heads,
-        args.seq_len, args.batch, args.validation_freq, args.validation_steps, max(1, args.steps // 10),
+        args.seq_len, args.batch, args.validation_freq, args.validation_steps, max(1, args.steps // 10), args.moe,
     )
 
 
@@ -520,15 +525,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parallel", type=int, default=2, help="runs at a time (each gets cores // parallel threads)")
     p.add_argument("--skip-done", action="store_true", help="keep runs in --runs-dir that already finished")
     p.add_argument("--quick", action="store_true", help="tiny model and 6 steps (smoke test)")
+    p.add_argument("--moe", action="store_true", help="a mixture-of-experts model (MOE) instead of the dense llama")
     p.add_argument("--runs-dir", type=Path, help="where the runs go (default: runs/staleness[-quick])")
     p.add_argument("--out", type=Path, help="results folder (default: docs/results/staleness, or runs/staleness-quick/results)")
     p.add_argument("--report-only", action="store_true", help="rebuild --out from the runs in --runs-dir, training nothing")
     p.add_argument("--tune-adamw", type=_numbers(float), default=[], metavar="LR,LR,..", help="tune: synchronous AdamW runs at these lrs")
     p.add_argument("--tune-muon", type=_numbers(float), default=[], metavar="LR,LR,..", help="tune: synchronous Muon runs at these lrs")
     args = p.parse_args(argv)
-    suffix = "-quick" if args.quick else ""
+    suffix = ("-moe" if args.moe else "") + ("-quick" if args.quick else "")
     args.runs_dir = args.runs_dir or ROOT / "runs" / f"staleness{suffix}"
-    args.out = args.out or (ROOT / "runs" / "staleness-quick" / "results" if args.quick else ROOT / "docs" / "results" / "staleness")
+    args.out = args.out or (args.runs_dir / "results" if args.quick else ROOT / "docs" / "results" / f"staleness{suffix.replace('-', '_')}")
     args.argv = sys.argv[1:] if argv is None else argv
     return args
 
@@ -548,7 +554,7 @@ def main(argv: list[str] | None = None) -> None:
         record = {"wall_s": {**record["wall_s"], **walls}, "how": record["how"] + how}
         record_file.write_text(json.dumps(record, indent=1))
     wall_s = {a: record["wall_s"][a.name] for a in arms if a.name in record["wall_s"]}
-    report(arms, args.runs_dir, args.out, wall_s, record["how"])
+    report(arms, args.runs_dir, args.out, wall_s, record["how"], " (mixture of experts, qwen3 blocks)" if args.moe else "")
 
 
 if __name__ == "__main__":
