@@ -247,8 +247,8 @@ class ShardedTwoVersions(OneStepDelay):
             self.spare_version = None
 
     def copies(self) -> list[torch.Tensor]:
-        """The side shard (made now if still pending)."""
-        return self._side()
+        """The side shard (made now if still pending) and the buffers' other version."""
+        return self._side() + (self.buffers.copies() if self.buffers else [])
 
     def extra_bytes(self) -> int:
         """Bytes of the side shard: the one weight copy 2BW keeps."""

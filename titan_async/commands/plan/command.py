@@ -14,6 +14,7 @@ from titan_async.commands.plan.estimate import (
     estimate_ranks,
     make_layout,
     make_setup,
+    mixture_of_experts,
     resolve_vocab_size,
     stage_shapes,
 )
@@ -32,8 +33,7 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True, simulation: Si
     CPU processes (gloo, CPU Newton-Schulz dtype) in place of the cluster's GPUs; with
     `simulation`, each schedule simulated on the cluster under "simulation"."""
     check_world_size(run, cluster)
-    if run.model.family != "llama3":
-        raise UserError(f"{run.source}: model.family = {run.model.family!r}: plan estimates llama3 models only so far")
+    _check_mixture_of_experts(run, simulation)
     name = run.parallelism.pipeline_parallel_schedule
     if name.lower() not in {known.lower() for known in SCHEDULE_NAMES}:
         raise UserError(
@@ -53,6 +53,7 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True, simulation: Si
     setup = make_setup(run, layout, vocab, gpu)
     shapes = stage_shapes(model.module, layout.stage_modules, parallelism.tensor_parallel_degree)
     rows = estimate_ranks(layout, shapes, setup, cluster)
+    moe = mixture_of_experts(layout, shapes, setup)
     for row in rows:
         if not row["fits"]:
             first, last = row["gpus"]
@@ -75,9 +76,11 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True, simulation: Si
         "gpu_memory_bytes": cluster.gpu_memory,
         "model": {
             "preset": run.model.preset,
+            "family": run.model.family,
             "parameters": sum(p.numel() for p in model.module.parameters()),
             **{k: sizes[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "weight_tying")},
             "ffn_dim": setup.ffn_dim,
+            **({key: sum(rank[key] for rank in moe["ranks"]) for key in ("active_parameters", "expert_parameters")} if moe else {}),
         },
         "layout": {
             "pipeline_parallel": layout.pp,
@@ -108,10 +111,27 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True, simulation: Si
         "fits": all(row["fits"] for row in rows),
         "schedules": schedules,
         "communication": communication(layout, shapes, setup, run.parallelism.paci.accumulation),
+        **({"mixture_of_experts": moe} if moe else {}),
         "dry_run": {"ranks": dry_run(run, layout, model, cluster.world_size, rows), "note": ESTIMATE_ONLY_NOTE},
         "warnings": warnings,
         **({"simulation": simulated} if simulated else {}),
     }
+
+
+def _check_mixture_of_experts(run: RunConfig, simulation: SimulationOptions | None) -> None:
+    """UserError, one line naming the key, for what `plan` does not estimate for MoE models yet:
+    expert and tensor parallelism (the streaming schedules refuse both too) and --simulate."""
+    if run.model.family != "qwen3_moe":
+        return
+    p = run.parallelism
+    for key in ("expert_parallel_degree", "tensor_parallel_degree"):
+        if getattr(p, key) > 1:
+            raise UserError(
+                f"{run.source}: parallelism.{key} = {getattr(p, key)}: plan estimates model.family = \"qwen3_moe\" "
+                "without expert or tensor parallelism so far (experts sharded by FSDP); set it to 1"
+            )
+    if simulation:
+        raise UserError(f"{run.source}: model.family = \"qwen3_moe\": plan --simulate does not simulate mixture-of-experts models yet")
 
 
 def run_plan(run: RunConfig, cluster: Cluster, strict: bool, as_json: bool, simulation: SimulationOptions | None = None) -> int:

@@ -75,10 +75,12 @@ def _build_rank(run: RunConfig, model: MetaModel, world: int) -> tuple[list[torc
 
 def _allocated_state(run: RunConfig, layout: Layout, parts: list[torch.nn.Module]) -> dict[str, int]:
     """Bytes of the state tensors training creates on this rank (`STATE_COMPONENTS`), on meta:
-    its (sharded) parameters, the 2BW weight versions, the optimizer state and the sharded gradients."""
+    its (sharded) parameters, the MoE experts' (3-D) apart, the 2BW weight versions (with the
+    expert biases), the optimizer state and the sharded gradients."""
     params = [p for part in parts for p in part.parameters()]
     allocated = dict.fromkeys(STATE_COMPONENTS, 0)
-    allocated["weights"] = sum(_local_bytes(p) for p in params)
+    allocated["weights"] = sum(_local_bytes(p) for p in params if p.ndim != 3)
+    allocated["expert_weights"] = sum(_local_bytes(p) for p in params if p.ndim == 3)
     if layout.two_versions:
         for part in parts:
             versions = two_versions(part, layout.window, FsdpStage.of(part))

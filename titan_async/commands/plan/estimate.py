@@ -18,6 +18,8 @@ from titan_async.commands.plan.memory import (
     MuonMatrix,
     Setup,
     StageShape,
+    active_params,
+    expert_newton_schulz,
     fsdp_traffic_bytes,
     held_microbatches,
     parse_size,
@@ -31,6 +33,7 @@ from titan_async.config.run_config import RunConfig
 from titan_async.core.errors import UserError
 from titan_async.optim.newton_schulz import resolve_dtype
 from titan_async.optim.routing import route_parameters
+from titan_async.pipeline.load_balance import BIAS
 from titan_async.pipeline.config import accumulation_steps
 from titan_async.pipeline.schedules import SchedulePipeDream2BW, streaming_schedule
 from titan_async.pipeline.split import split_stages
@@ -175,16 +178,20 @@ def _owner(name: str) -> str:
 def stage_shapes(model: torch.nn.Module, modules: list[list[str]], tp: int = 1) -> list[StageShape]:
     """Parameter counts of each stage, routed to Muon or AdamW as the optimizer would; under
     TP (`tp`) every matrix is split and the norm weights (1-D) are whole on each TP rank, as
-    torchtitan's llama3 plan places them."""
+    torchtitan's llama3 plan places them. MoE experts (3-D) and expert biases are counted apart."""
     counts: Counter[str] = Counter()
     replicated: Counter[str] = Counter()
     matrices: Counter[str] = Counter()
+    experts: Counter[str] = Counter()
+    biases = Counter({_owner(name): tensor.numel() for name, tensor in model.named_buffers() if name.endswith(BIAS)})
     muon: dict[str, list[MuonMatrix]] = {}
     for route in route_parameters(model):
         owner = _owner(route.name)
         counts[owner] += route.param.numel()
         if route.param.ndim < 2:
             replicated[owner] += route.param.numel()
+        if route.param.ndim == 3:
+            experts[owner] += route.param.numel()
         if route.optimizer == "muon":
             matrices[owner] += route.param.numel()
             shape = tuple(route.param.shape)
@@ -205,6 +212,8 @@ def stage_shapes(model: torch.nn.Module, modules: list[list[str]], tp: int = 1) 
                 last="lm_head" in names,
                 muon_matrices=tuple(m for n in names for m in muon.get(n, [])),
                 replicated=sum(replicated[n] for n in names),
+                expert_params=sum(experts[n] for n in names),
+                expert_biases=sum(biases[n] for n in names),
             )
         )
     return shapes
@@ -221,10 +230,12 @@ def make_setup(run: RunConfig, layout: Layout, vocab: int, gpu: bool = True) -> 
     split = p.context_parallel_degree * (tp if sequence_parallel else 1)
     sequences = p.pipeline_parallel_microbatch_size if layout.pp > 1 or layout.emulated else t.local_batch_size
     compute = t.mixed_precision_param if layout.fsdp_applied else t.dtype
+    moe = run.model.family == "qwen3_moe"
     return Setup(
         dim=dim,
         kv_dim=int(s["n_kv_heads"]) * (dim // heads),
-        ffn_dim=compute_ffn_hidden_dim(dim, multiple_of=int(s["multiple_of"]), ffn_dim_multiplier=s["ffn_dim_multiplier"] or None),
+        ffn_dim=0 if moe else compute_ffn_hidden_dim(dim, multiple_of=int(s["multiple_of"]),
+                                                     ffn_dim_multiplier=s["ffn_dim_multiplier"] or None),
         vocab_size=vocab,
         tokens=sequences * t.seq_len // split,
         param_bytes=TORCH_DTYPE_MAP[t.dtype].itemsize,
@@ -247,6 +258,7 @@ def make_setup(run: RunConfig, layout: Layout, vocab: int, gpu: bool = True) -> 
         sequence_parallel=sequence_parallel,
         gpu=gpu,
         replicas=layout.replicas,
+        **({key: int(s[key]) for key in ("num_experts", "top_k", "moe_hidden_dim")} if moe else {}),
     )
 
 
@@ -303,3 +315,38 @@ def communication(layout: Layout, shapes: list[StageShape], setup: Setup, accumu
         rows.append({"name": name, "ranks": ranks, "tensor_parallel": tensor_parallel,
                      "busiest": max(moved, key=lambda r: sum(r.values())), "selected": name.lower() == layout.schedule.lower()})
     return rows
+
+
+ALL_TO_ALL_NOTE = (
+    "all-to-all: 0 bytes per step: with parallelism.expert_parallel_degree = 1 (every layout the streaming schedules "
+    "accept with MoE) each rank gathers its FSDP shards of every expert and routes its own tokens locally"
+)
+
+
+def mixture_of_experts(layout: Layout, shapes: list[StageShape], setup: Setup) -> dict[str, Any] | None:
+    """The MoE part of a plan (None for a dense model): per pipeline rank its parameters, active
+    parameters (`active_params`), expert parameters and, under Muon, its Newton-Schulz work on
+    expert matrices (`expert_newton_schulz`); the all-to-all bytes per step, 0 without expert
+    parallelism (the only MoE layout `plan` accepts). Expert weight bytes per GPU are the
+    memory breakdown's "expert_weights"."""
+    if not setup.num_experts:
+        return None
+    ranks = []
+    for rank, indices in enumerate(layout.rank_stages):
+        stages = [shapes[i] for i in indices]
+        ranks.append({
+            "pp_rank": rank,
+            "parameters": sum(s.params for s in stages),
+            "active_parameters": round(sum(active_params(s, setup) for s in stages)),
+            "expert_parameters": sum(s.expert_params for s in stages),
+            **({"newton_schulz": expert_newton_schulz(stages, setup)} if setup.optimizer == "muon" else {}),
+        })
+    return {
+        "num_experts": setup.num_experts,
+        "top_k": setup.top_k,
+        "moe_hidden_dim": setup.moe_hidden_dim,
+        "expert_parallel": 1,
+        "all_to_all_bytes": 0,
+        "note": ALL_TO_ALL_NOTE,
+        "ranks": ranks,
+    }

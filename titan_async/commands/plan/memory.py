@@ -3,15 +3,18 @@
 Per GPU, every pipeline rank's memory is made of these components (bytes); how they add up
 to its peak ("total") is said under optimizer_step:
 
-- weights: the rank's stage parameters in the parameter dtype (training.dtype): under TP each
-  matrix (every 2-D weight: linears, embedding, output head) is split TP ways and the norm
-  weights are whole on every TP rank (`tp_local`), and FSDP shards that TP shard over FSDP x CP.
-  Replicas (DDP, HSDP) hold the same shards as their FSDP group, which shards over
-  data_parallel_shard_degree only: a rank's memory is that of its FSDP group whatever the
-  replicate degree.
+- weights: the rank's stage parameters other than MoE experts in the parameter dtype
+  (training.dtype): under TP each matrix (every 2-D weight: linears, embedding, output head)
+  is split TP ways and the norm weights are whole on every TP rank (`tp_local`), and FSDP
+  shards that TP shard over FSDP x CP. Replicas (DDP, HSDP) hold the same shards as their
+  FSDP group, which shards over data_parallel_shard_degree only: a rank's memory is that of
+  its FSDP group whatever the replicate degree.
+- expert_weights: the MoE experts' 3-D weights (experts x rows x cols), sharded by FSDP like
+  every other weight (no expert or tensor parallelism: `plan` refuses those for MoE).
 - weight_versions: PipeDream2BW (and gradient_delay = 1) keeps a second weight version:
-  one more copy of the local weights (for plain parameters the other buffer, under FSDP2 a
-  side shard beside FSDP's own).
+  one more copy of the local weights, experts included (for plain parameters the other
+  buffer, under FSDP2 a side shard beside FSDP's own), and of the MoE blocks' expert biases
+  (float32, whole on every rank: a batch routes with the biases of its own version).
 - gradients: the sharded gradient, parameter dtype. Under FSDP it exists only from the
   reduce-scatter to the optimizer's zero_grad: in forward and backward the unsharded
   gradients (fsdp_buffers) stand in for it.
@@ -40,7 +43,8 @@ to its peak ("total") is said under optimizer_step:
 - nccl_buffers: GPU only (`nccl_buffer_bytes`): NCCL's buffers of the streaming transport's
   per-edge communicators. gloo (CPU) has none.
 - activations: microbatches held between forward and backward x activations of one
-  microbatch (see `block_activation_bytes`), plus transients: the logits of the last
+  microbatch (see `block_activation_bytes`; an MoE block's experts see top_k x its tokens,
+  `moe_activation_bytes`), plus transients: the logits of the last
   stage and, with full recomputation, one block recomputed for one microbatch.
 - optimizer_step: scratch of one optimizer step (`optimizer_step_bytes`): Muon's momenta,
   gathered full matrices, Newton-Schulz work buffers and updates, and the weight copy error
@@ -52,13 +56,14 @@ to its peak ("total") is said under optimizer_step:
   max(activations + fsdp_buffers, those at the step + optimizer_step), with FSDP's sharded
   gradients in the second term only.
 
-The first five are what a meta-device dry run allocates (`STATE_COMPONENTS`); the
+The first six are what a meta-device dry run allocates (`STATE_COMPONENTS`); the
 others exist only while training runs, so they are estimates only. tools/bench_plan_memory.py
 compares the total with the tensor bytes a CPU run keeps alive at its peak.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -68,7 +73,7 @@ import torch
 from titan_async.optim.full_matrix import assign_owners
 from titan_async.optim.newton_schulz import flops, gram_form
 
-STATE_COMPONENTS = ("weights", "weight_versions", "gradients", "optimizer", "error_feedback")
+STATE_COMPONENTS = ("weights", "expert_weights", "weight_versions", "gradients", "optimizer", "error_feedback")
 TRANSPORT_COMPONENTS = ("p2p_buffers", "stage_inputs", "nccl_buffers")
 COMPONENTS = (*STATE_COMPONENTS, "fsdp_buffers", *TRANSPORT_COMPONENTS, "activations", "optimizer_step")
 """Every component of a rank's memory; "total" is not their sum (see the module docstring)."""
@@ -99,15 +104,21 @@ def parse_size(text: str) -> int:
 
 @dataclass(frozen=True)
 class MuonMatrix:
-    """One matrix Muon updates: its full shape and the shapes of the blocks it orthogonalises
-    separately (several blocks are copied out of the matrix and merged back)."""
+    """One tensor Muon updates: its full shape and the shapes of the blocks it orthogonalises
+    separately (several blocks of a fused matrix are copied out of it and merged back; a 3-D
+    MoE expert tensor is a stack of one block per expert, views of it)."""
 
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
     blocks: tuple[tuple[int, int], ...]
 
     @property
     def elements(self) -> int:
-        return self.shape[0] * self.shape[1]
+        return math.prod(self.shape)
+
+    @property
+    def copied_blocks(self) -> bool:
+        """Whether its blocks are copies: a fused 2-D matrix split in several."""
+        return len(self.shape) == 2 and len(self.blocks) > 1
 
 
 @dataclass(frozen=True)
@@ -128,6 +139,10 @@ class StageShape:
     """Its Muon matrices in parameter order (the order Muon stacks their blocks in)."""
     replicated: int = 0
     """Parameters every TP rank holds whole (the norm weights); TP splits the others."""
+    expert_params: int = 0
+    """Parameters of its MoE experts' 3-D weights (included in `params` and `matrix_params`)."""
+    expert_biases: int = 0
+    """Elements of its MoE blocks' expert biases (float32 buffers, not parameters)."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +186,12 @@ class Setup:
     """data_parallel_replicate_degree: copies of the FSDP group, each holding the same shards."""
     gpu: bool = True
     """Planned for GPUs (NCCL); False for CPU processes (gloo)."""
+    num_experts: int = 0
+    """Routed experts per MoE block (0: a dense model)."""
+    top_k: int = 0
+    """Experts each token is routed to."""
+    moe_hidden_dim: int = 0
+    """Hidden size of each expert's SwiGLU."""
 
     @property
     def gathered(self) -> int:
@@ -192,16 +213,18 @@ def adamw_params(stage: StageShape, setup: Setup) -> float:
 
 def state_bytes(stage: StageShape, setup: Setup) -> dict[str, float]:
     """Per-GPU bytes of the state a rank of `stage` keeps between steps (`STATE_COMPONENTS`);
-    Muon's matrices are all split by TP."""
+    Muon's matrices are all split by TP; experts (never under TP) are split by FSDP only."""
     local = tp_local(stage.params, stage.replicated, setup) / setup.weight_shards
     weights = local * setup.param_bytes
+    experts = stage.expert_params / setup.weight_shards * setup.param_bytes
     if setup.optimizer == "muon":
         moments = stage.matrix_params / setup.tp / setup.weight_shards + 2 * adamw_params(stage, setup)
     else:
         moments = 2 * local
     return {
-        "weights": weights,
-        "weight_versions": weights * setup.version_copies,
+        "weights": weights - experts,
+        "expert_weights": experts,
+        "weight_versions": (weights + 4 * stage.expert_biases) * setup.version_copies,
         "gradients": weights,
         "optimizer": moments * setup.param_bytes,
         "error_feedback": weights if setup.error_feedback else 0.0,
@@ -270,21 +293,63 @@ def block_activation_bytes(setup: Setup, mode: str | None = None) -> float:
     split = g / setup.tp
     if mode == "full":
         return c * d
+    if setup.num_experts:
+        return moe_block_activation_bytes(setup, mode)
     if mode == "selective":
         scattered = 2 * d if setup.tp > 1 and setup.sequence_parallel else 0
         return c * (d + split * (2 * d + 2 * setup.kv_dim + setup.ffn_dim) + g * d + scattered)
     return 16 * d + c * (2 * g * d + split * (2 * d + 2 * setup.kv_dim + 4 * setup.ffn_dim))
 
 
+def moe_block_activation_bytes(setup: Setup, mode: str) -> float:
+    """Bytes one block of the qwen3_moe family (eager torchtitan, no TP: `plan` refuses TP with
+    MoE) keeps per stage-boundary token for its backward, for `mode` none or selective.
+
+    none: the two RMSNorms' float32 copies (16 dim) and the QK norms' (8 (dim + kv_dim)); in the
+    compute dtype the two normalized outputs, q, k, v after RoPE and the attention output
+    (4 dim + 2 kv_dim); the router's float32 scores (4 E; on GPUs also the float32 copy of its
+    input that autocast makes, 4 dim); and top_k routed tokens (`routed_token_bytes`).
+    selective: the attention half as for llama3 (the same tensors: its policy saves them) and
+    the router and experts as none (an upper bound). Matches the tensors autograd saves on
+    CPU in bfloat16 (tests/test_plan_moe.py), apart from RoPE's tables and the per-head
+    statistics; the bfloat16 copies of the expert weights a float32 model makes are per
+    microbatch, not per token (`expert_weight_copy_bytes`)."""
+    c, d, kv = setup.compute_bytes, setup.dim, setup.kv_dim
+    router = 4 * setup.num_experts + (4 * d if setup.gpu and c < 4 else 0)
+    attention = 16 * d + 8 * (d + kv) + c * (4 * d + 2 * kv)
+    return attention + router + setup.top_k * routed_token_bytes(setup)
+
+
+def routed_token_bytes(setup: Setup) -> float:
+    """Bytes an MoE block keeps for each (token, expert) pair it routes: the experts' SwiGLU,
+    which torchtitan's grouped matmuls always compute in bfloat16 (w1 and w3 outputs, the SiLU
+    output and the product: 4 hidden x 2), their bfloat16 input (the gathered token; a float32
+    model casts it once per matmul: twice), the float32 expert output scaled by its routing
+    score (4 dim), and three int64 indices of the dispatch."""
+    inputs = 1 if setup.compute_bytes == 2 else 2
+    return 8 * setup.moe_hidden_dim + 2 * setup.dim * inputs + 4 * setup.dim + 24
+
+
+def expert_weight_copy_bytes(setup: Setup) -> float:
+    """Bytes an MoE block keeps per microbatch whatever its tokens: torchtitan's grouped matmuls
+    cast the expert weights to bfloat16, so a model computing in another dtype keeps those
+    three copies (3 x E x hidden x dim x 2) for the backward; 0 in bfloat16 or for dense blocks."""
+    if not setup.num_experts or setup.compute_bytes == 2:
+        return 0.0
+    return 3 * setup.num_experts * setup.moe_hidden_dim * setup.dim * 2
+
+
 def microbatch_activation_bytes(stage: StageShape, setup: Setup) -> float:
-    """Bytes one in-flight microbatch keeps on `stage`: its blocks and, on the last stage, the
-    final norm (two float32 copies), the output head's (all-gathered) input and the float32
-    log-softmax that cross-entropy saves (tokens x vocab x 4, vocabulary split by TP)."""
+    """Bytes one in-flight microbatch keeps on `stage`: its blocks (with MoE, also the expert
+    weights' bfloat16 copies, `expert_weight_copy_bytes`, unless recomputed) and, on the last
+    stage, the final norm (two float32 copies), the output head's (all-gathered) input and the
+    float32 log-softmax that cross-entropy saves (tokens x vocab x 4, vocabulary split by TP)."""
     per_token = stage.layers * block_activation_bytes(setup)
     if stage.last:
         g = setup.gathered
         per_token += 8 * setup.dim + setup.compute_bytes * g * setup.dim + 4 * _logit_columns(setup)
-    return setup.tokens * per_token
+    copies = 0.0 if setup.activation_checkpoint == "full" else stage.layers * expert_weight_copy_bytes(setup)
+    return setup.tokens * per_token + copies
 
 
 def _logit_columns(setup: Setup) -> float:
@@ -300,7 +365,7 @@ def transient_activation_bytes(stages: list[StageShape], setup: Setup) -> float:
     if any(s.last for s in stages):
         scratch += setup.tokens * _logit_columns(setup) * (setup.compute_bytes + 4)
     if setup.activation_checkpoint == "full" and any(s.layers for s in stages):
-        scratch += setup.tokens * block_activation_bytes(setup, "none")
+        scratch += setup.tokens * block_activation_bytes(setup, "none") + expert_weight_copy_bytes(setup)
     return scratch
 
 
@@ -382,7 +447,7 @@ def muon_step_bytes(owned: tuple[MuonMatrix, ...], local_elements: float, setup:
     p = setup.param_bytes
     full = sum(m.elements for m in owned) * p
     base = (local_elements * p if setup.nesterov else 0.0) + (full if setup.muon_group > 1 else 0.0)
-    split = sum(m.elements for m in owned if len(m.blocks) > 1) * p
+    split = sum(m.elements for m in owned if m.copied_blocks) * p
     peak, done = 2 * full + split, 0.0
     for count, narrow, wide in _stacks(owned):
         peak = max(peak, split + done + newton_schulz_bytes(count, narrow, wide, setup))
@@ -553,3 +618,33 @@ def compare_schedules(stages: int, microbatches: int, accumulation_steps: int = 
 
 def gib(value: float) -> float:
     return value / 2**30
+
+
+def active_params(stage: StageShape, setup: Setup) -> float:
+    """Parameters a token computes with on `stage`: all but the MoE experts, and top_k / E of those."""
+    if not setup.num_experts:
+        return float(stage.params)
+    return stage.params - stage.expert_params * (1 - setup.top_k / setup.num_experts)
+
+
+def expert_newton_schulz(stages: list[StageShape], setup: Setup) -> dict[str, object]:
+    """Muon's Newton-Schulz work on the expert matrices of a rank's `stages`: each expert's matrix
+    is orthogonalised on its own, all blocks of one shape in one batched iteration. "stacks": per
+    block shape (rows x cols as the parameter holds it), the expert matrices of that shape and the
+    FLOPs of one; "busiest_owner_flops": the FLOPs of the rank of the Muon group that owns the
+    most (whole expert tensors and other matrices alike, owners balanced by FLOPs), summed over
+    the rank's stages."""
+    dtype = getattr(torch, setup.ns_dtype)
+    counts: dict[tuple[int, int], int] = {}
+    for stage in stages:
+        for matrix in stage.muon_matrices:
+            if len(matrix.shape) == 3:
+                for block in matrix.blocks:
+                    counts[block] = counts.get(block, 0) + 1
+    busiest = 0
+    for stage in stages:
+        owned = _owned_matrices(stage, setup)
+        busiest += max((sum(flops(b, setup.ns_steps, dtype) for m in mine for b in m.blocks) for mine in owned), default=0)
+    stacks = [{"rows": rows, "cols": cols, "matrices": n, "flops_each": flops((rows, cols), setup.ns_steps, dtype)}
+              for (rows, cols), n in counts.items()]
+    return {"stacks": stacks, "busiest_owner_flops": busiest}

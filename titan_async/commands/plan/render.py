@@ -46,9 +46,14 @@ def _count(n: int) -> str:
     return str(n)
 
 
-_HEADERS = {"weights": "weights", "weight_versions": "2BW", "gradients": "grads", "optimizer": "optim",
+_HEADERS = {"weights": "weights", "expert_weights": "experts", "weight_versions": "2BW", "gradients": "grads", "optimizer": "optim",
             "error_feedback": "EF", "fsdp_buffers": "FSDP", "p2p_buffers": "P2P", "stage_inputs": "stage in",
             "nccl_buffers": "NCCL", "activations": "act (held mb)", "optimizer_step": "opt step"}
+
+
+def _state_columns(plan: dict[str, Any]) -> tuple[str, ...]:
+    """The state components a plan's tables show: "expert_weights" only for an MoE model."""
+    return tuple(k for k in STATE_COMPONENTS if k != "expert_weights" or "mixture_of_experts" in plan)
 
 
 @dataclass
@@ -63,10 +68,12 @@ class Table:
 
 def _memory_table(plan: dict[str, Any]) -> Table:
     memory = plan["gpu_memory_bytes"]
+    state = _state_columns(plan)
     table = Table(
         "Memory per GPU (GiB); all GPUs of a pipeline rank hold the same (their FSDP and TP shards); peak = state + P2P + stage in "
         "+ NCCL + max(act + FSDP, opt step + what the microbatches in flight and FSDP keep through it)",
-        ["pp (GPUs)", "stage: modules", "params", *_HEADERS.values(), "peak", f"of {gib(memory):g} GiB"],
+        ["pp (GPUs)", "stage: modules", "params", *(_HEADERS[k] for k in (*state, "fsdp_buffers", *TRANSPORT_COMPONENTS)),
+         _HEADERS["activations"], _HEADERS["optimizer_step"], "peak", f"of {gib(memory):g} GiB"],
         [],
         left=2,
     )
@@ -77,7 +84,7 @@ def _memory_table(plan: dict[str, Any]) -> Table:
         stages = "; ".join(f"{s['index']}: {_modules(s['modules'])}" for s in row["stages"])
         table.rows.append([
             "{} ({}-{})".format(row["pp_rank"], *row["gpus"]), stages, _count(row["parameters"]),
-            *(f"{gib(m[key]):.2f}" for key in (*STATE_COMPONENTS, "fsdp_buffers", *TRANSPORT_COMPONENTS)),
+            *(f"{gib(m[key]):.2f}" for key in (*state, "fsdp_buffers", *TRANSPORT_COMPONENTS)),
             f"{gib(m['activations']):.2f} ({row['held_microbatches']:g})", f"{gib(m['optimizer_step']):.2f}",
             f"{gib(m['total']):.2f}", f"{share:.0%} {verdict}",
         ])
@@ -120,18 +127,41 @@ def _communication_table(plan: dict[str, Any]) -> Table:
 
 
 def _dry_run_table(plan: dict[str, Any]) -> Table:
+    state = _state_columns(plan)
     table = Table(
         f"Dry run: {plan['world_size']} ranks on a fake process group, meta device (GiB; {plan['dry_run']['note']})",
-        ["rank", "pp", "local params", *(_HEADERS[k] for k in STATE_COMPONENTS), "allocated", "estimate", "ratio", "actions"],
+        ["rank", "pp", "local params", *(_HEADERS[k] for k in state), "allocated", "estimate", "ratio", "actions"],
         [],
     )
     for r in plan["dry_run"]["ranks"]:
         table.rows.append([
             str(r["rank"]), str(r["pp_rank"]), _count(r["local_parameters"]),
-            *(f"{gib(r['allocated'][k]):.2f}" for k in STATE_COMPONENTS),
+            *(f"{gib(r['allocated'][k]):.2f}" for k in state),
             f"{gib(sum(r['allocated'].values())):.2f}", f"{gib(sum(r['estimate'].values())):.2f}", f"{r['ratio']:.3f}",
             ", ".join(f"{n} {kind}" for kind, n in r["action_counts"].items()) or "-",
         ])
+    return table
+
+
+def _moe_table(plan: dict[str, Any]) -> Table:
+    moe = plan["mixture_of_experts"]
+    muon = "newton_schulz" in moe["ranks"][0]
+    table = Table(
+        f"Mixture of experts ({moe['num_experts']} experts, top-{moe['top_k']}, expert hidden {moe['moe_hidden_dim']}): "
+        "parameters per pipeline rank, active = non-expert + top_k / experts of the expert weights"
+        + ("; Muon's Newton-Schulz per expert matrix (each expert's matrix on its own, batched per shape) and the "
+           "busiest owner's per step (GFLOP per matrix, TFLOP per owner)" if muon else ""),
+        ["pp", "params", "active", "experts", *(["expert matrices", "per matrix", "busiest owner"] if muon else [])],
+        [],
+    )
+    for r in moe["ranks"]:
+        row = [str(r["pp_rank"]), _count(r["parameters"]), _count(r["active_parameters"]), _count(r["expert_parameters"])]
+        if muon:
+            ns = r["newton_schulz"]
+            row += ["; ".join(f"{s['matrices']} x {s['rows']}x{s['cols']}" for s in ns["stacks"]) or "-",
+                    "; ".join(f"{s['flops_each'] / 1e9:.2f}" for s in ns["stacks"]) or "-",
+                    f"{ns['busiest_owner_flops'] / 1e12:.2f}"]
+        table.rows.append(row)
     return table
 
 
@@ -161,7 +191,12 @@ def _header(plan: dict[str, Any]) -> list[str]:
         f"plan: {plan['config']} on {plan['nodes']} node(s) x {plan['gpus_per_node']} GPU(s) = {plan['world_size']} GPUs "
         f"of {gib(plan['gpu_memory_bytes']):g} GiB",
         f"model: {m['preset']}, {m['parameters']:,} parameters (dim {m['dim']}, {m['n_layers']} layers, "
-        f"{m['n_heads']} heads, {m['n_kv_heads']} KV heads, FFN {m['ffn_dim']}, vocab {m['vocab_size']})",
+        f"{m['n_heads']} heads, {m['n_kv_heads']} KV heads, FFN {m['ffn_dim']}, vocab {m['vocab_size']})"
+        if "mixture_of_experts" not in plan else
+        f"model: {m['family']} {m['preset']}, {m['parameters']:,} parameters, {m['active_parameters']:,} active per token, "
+        f"{m['expert_parameters']:,} in experts (dim {m['dim']}, {m['n_layers']} layers, {m['n_heads']} heads, "
+        f"{m['n_kv_heads']} KV heads, {plan['mixture_of_experts']['num_experts']} experts, top-{plan['mixture_of_experts']['top_k']}, "
+        f"vocab {m['vocab_size']})",
         f"layout: PP {l['pipeline_parallel']} x FSDP {l['data_parallel_shard']} x replicate {l['data_parallel_replicate']} "
         f"x TP {l['tensor_parallel']}{' (sequence parallel)' if l['sequence_parallel'] else ''} x CP {l['context_parallel']}; "
         f"{schedule}, {l['microbatches']} microbatch(es) "
@@ -205,14 +240,16 @@ def print_plan(plan: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps(plan))
         return
-    tables = [_memory_table(plan), _schedule_table(plan), *([_communication_table(plan)] if plan["communication"] else []),
-              _dry_run_table(plan)]
+    tables = [_memory_table(plan), *([_moe_table(plan)] if "mixture_of_experts" in plan else []), _schedule_table(plan),
+              *([_communication_table(plan)] if plan["communication"] else []), _dry_run_table(plan)]
     if sys.stdout.isatty():
         _print_rich(_header(plan), tables)
     else:
         print("\n".join(_header(plan)))
         for table in tables:
             print("\n" + _plain(table))
+    if "mixture_of_experts" in plan:
+        print(plan["mixture_of_experts"]["note"])
     flushes = plan["layout"]["windows_per_step"]
     for rank in plan["dry_run"]["ranks"]:
         if rank["actions"]:
