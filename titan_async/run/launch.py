@@ -87,9 +87,9 @@ def _agent(run_dir: Path, nproc_per_node: int, verbose: bool, max_restarts: int)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    args = torchrun.parse_args([
+    args = torchrun.parse_args([  # the module named last is torchrun's required argument; the entrypoint below runs
         "--standalone", f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}",
-        "--start-method=fork", "-m", "titan_async.run.worker", str(run_dir),
+        "--start-method=fork", "-m", "titan_async.run.worker",
     ])
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if max_restarts:

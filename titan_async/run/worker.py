@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import sys
+import traceback
 import warnings
 from pathlib import Path
 
@@ -112,16 +113,22 @@ def main() -> None:
 
 def run_worker(run_dir: str, verbose: bool) -> None:
     """A worker that torch's elastic agent started (as a fresh interpreter, or forked from the
-    launcher's agent after it imported everything); exits 2 with one line on a UserError."""
+    launcher's agent after it imported everything); exits 2 with one line on a UserError, 1 with
+    its traceback on stderr on any other error (the agent's summary names only the first rank
+    that failed, and a forked worker's traceback would otherwise go to its error file only)."""
     from titan_async.core.errors import UserError
 
     name_worker()
     platform.set_cpu_threads()
     try:
-        sys.exit(train(Path(run_dir), verbose))
+        status = train(Path(run_dir), verbose)
     except UserError as err:
         print(f"titan-async: {err}", file=sys.stderr)
         sys.exit(2)
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)
+    sys.exit(status)
 
 
 if __name__ == "__main__":

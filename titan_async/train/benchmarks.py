@@ -21,6 +21,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,8 @@ from titan_async.run import directory as runs
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                       "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
 """What makes a process a worker of this job; the evaluation process runs on its own."""
+SAVE_WAIT_S = 3600
+"""How long an evaluation waits for its checkpoint's save to finish."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -106,8 +109,7 @@ class PeriodicBenchmarks:
     def finish(self) -> None:
         """Wait for the evaluations still queued or running, and log them."""
         if self.thread is not None:
-            waiting = sorted(self.evaluated)
-            logging.getLogger("titan_async").warning(f"waiting for the benchmarks of step(s) {waiting} to finish")
+            logging.getLogger("titan_async").warning("training done; waiting for the benchmark evaluations still running")
             self.pending.put(None)
             self.thread.join()
             self.thread = None
@@ -118,8 +120,13 @@ class PeriodicBenchmarks:
             self.finished.put((step, self._evaluate(step)))
 
     def _evaluate(self, step: int) -> dict | None:
-        """`titan-async eval --tasks` on the checkpoint of `step`: its "tasks" results, or None."""
+        """`titan-async eval --tasks` on the checkpoint of `step` once its save has finished (DCP
+        writes .metadata last; asynchronous checkpointing writes after `save` returns): its
+        "tasks" results, or None."""
         checkpoint = self.run_dir / runs.CHECKPOINT_DIR / f"step-{step}"
+        deadline = time.monotonic() + SAVE_WAIT_S
+        while not (checkpoint / ".metadata").is_file() and time.monotonic() < deadline:
+            time.sleep(1)
         s = self.section
         command = [sys.executable, "-m", "titan_async.cli", "eval", "--checkpoint", str(checkpoint),
                    "--tasks", ",".join(s.tasks), "--batch-size", str(s.batch_size), "--json"]

@@ -216,19 +216,16 @@ class AsyncTrainer(Trainer):
             return None
         benchmarks = PeriodicBenchmarks(config.eval, config.checkpoint.interval, Path(config.dump_folder),
                                         self.metrics_processor.logger.log)
-        checkpointer, save = self.checkpointer, self.checkpointer.save
+        save = self.checkpointer.save
 
         def save_then_benchmark(step: int, last_step: bool = False) -> bool:
             saved = save(step, last_step=last_step)
-            pending = getattr(checkpointer, "save_future", None)  # asynchronous modes write later
-            if saved and pending is not None and not pending.done():
-                pending.result()
             if saved:
                 benchmarks.after_save(step)
             benchmarks.log_finished()
             return saved
 
-        checkpointer.save = save_then_benchmark
+        self.checkpointer.save = save_then_benchmark
         return benchmarks
 
     def _stage_group(self) -> dist.ProcessGroup | None:
@@ -534,18 +531,18 @@ class AsyncTrainer(Trainer):
         with open(folder / f"rank{rank}.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         scalars = {f"pipeline/{key}": value for key, value in record.items() if key not in ("step", "time") and value is not None}
-        folder = Path(self.config.dump_folder) / "tb" / "pipeline" / f"rank{rank}"
+        tb_folder = Path(self.config.dump_folder) / "tb" / "pipeline" / f"rank{rank}"
         metrics = self.config.metrics
         if metrics.enable_tensorboard:
             if not hasattr(self, "_rank_writer"):
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._rank_writer = SummaryWriter(folder)
+                self._rank_writer = SummaryWriter(tb_folder)
             for key, value in scalars.items():
                 self._rank_writer.add_scalar(key, value, self.step)
         if metrics.enable_wandb and metrics.wandb_rank_runs:
             if self.rank_wandb is None:
-                self.rank_wandb = rank_run(Path(self.config.dump_folder), rank, metrics, folder)
+                self.rank_wandb = rank_run(Path(self.config.dump_folder), rank, metrics, tb_folder)
             self.rank_wandb.log(scalars, step=self.step)
 
     def _staleness(self) -> float:
