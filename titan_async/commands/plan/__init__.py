@@ -14,6 +14,8 @@ The layout is the one `train` would build (`titan_async.config.assemble`): FSDP2
 every stage except the streaming schedules' stages without data parallelism; replicas
 (DDP, HSDP) hold their FSDP group's shards and add one all-reduce per gradient reduction;
 with gradient accumulation (K local batches per step) a streaming window holds K x m
-microbatches, while torch's schedules flush K times per step. Whatever `train` would refuse
+microbatches, while torch's schedules flush K times per step. Mixture-of-experts models
+(qwen3_moe) are planned on the layouts the streaming schedules run them on, experts sharded by
+FSDP (no expert or tensor parallelism: refused in one line). Whatever `train` would refuse
 about the config is reported as a warning.
 """
