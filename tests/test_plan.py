@@ -379,6 +379,25 @@ def test_parse_size():
             parse_size(bad)
 
 
+def saved_block_bytes(model, seq: int, dim: int, dtype: torch.dtype) -> int:
+    """Bytes of the tensors autograd saves in `model`'s first block for one sequence of `seq`
+    tokens, weights and the dense CPU attention's seq x seq mask (GPUs keep none) left out."""
+    positions = torch.arange(seq).unsqueeze(0)
+    masks = model.get_attention_masks(positions)
+    x = torch.randn(1, seq, dim, dtype=dtype, requires_grad=True)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.shape[-3:] != (1, seq, seq):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.layers["0"](x, attention_masks=masks, positions=positions)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(n for ptr, n in saved.items() if ptr not in weights)
+
+
 @pytest.mark.filterwarnings("ignore:Casting complex values")
 @pytest.mark.parametrize("mode", ["none", "full"])
 def test_block_activation_formula_matches_what_autograd_saves(mode):
@@ -391,20 +410,7 @@ def test_block_activation_formula_matches_what_autograd_saves(mode):
     model = model.to(torch.bfloat16)
     if mode == "full":
         FullAC.Config().build().apply(model)
-    positions = torch.arange(seq).unsqueeze(0)
-    masks = model.get_attention_masks(positions)
-    x = torch.randn(1, seq, dim, dtype=torch.bfloat16, requires_grad=True)
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.shape[-3:] != (1, seq, seq):  # the dense CPU attention's mask; GPUs keep none
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.layers["0"](x, attention_masks=masks, positions=positions)
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    measured = sum(n for ptr, n in saved.items() if ptr not in weights)
+    measured = saved_block_bytes(model, seq, dim, torch.bfloat16)
     setup = _setup(mode, dim=dim, kv_dim=kv_dim, ffn_dim=ffn_dim, tokens=seq, param_bytes=2, compute_bytes=2,
                    optimizer="adamw", error_feedback=False)
     assert measured == pytest.approx(seq * block_activation_bytes(setup), rel=0.03)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import CONFIGS, cli_in_process, sets
+from test_plan import saved_block_bytes
 from titan_async.commands.plan.memory import Setup, block_activation_bytes, expert_weight_copy_bytes
 from titan_async.config.run_config import build_run_config
 from titan_async.model.meta import build_meta_model
@@ -158,20 +159,7 @@ def test_moe_block_activation_formula_matches_what_autograd_saves(dtype):
     model.to_empty(device="cpu")
     model.init_weights(buffer_device=None)
     model = model.to(dtype)
-    positions = torch.arange(seq).unsqueeze(0)
-    masks = model.get_attention_masks(positions)
-    x = torch.randn(1, seq, dim, dtype=dtype, requires_grad=True)
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.shape[-3:] != (1, seq, seq):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.layers["0"](x, attention_masks=masks, positions=positions)
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    measured = sum(n for ptr, n in saved.items() if ptr not in weights)
+    measured = saved_block_bytes(model, seq, dim, dtype)
     c = dtype.itemsize
     setup = Setup(dim=dim, kv_dim=kv_heads * dim // heads, ffn_dim=0, vocab_size=512, tokens=seq, param_bytes=c,
                   compute_bytes=c, reduce_bytes=c, weight_shards=1, fsdp=False, fsdp_degree=1, unsharded_for_step=False,
