@@ -1,8 +1,9 @@
 """How long `titan-async` takes to answer commands that train nothing: --help, --version, an
-argument error and a config error (of `config show` and of `train`), in a fresh interpreter
-each time, min/median/max over repetitions; with --baseline REV, the same commands of git
-revision REV (a temporary worktree), alternated with this checkout's in the same invocation,
-and the ratio of the medians.
+argument error and a config error (of `config show` and of `train`), and the whole of a
+2-process pipeline run of 4 tiny steps (start-up, launch of the workers, shut-down), in a fresh
+interpreter each time, min/median/max over repetitions; with --baseline REV, the same commands
+of git revision REV (a temporary worktree), alternated with this checkout's in the same
+invocation, and the ratio of the medians.
 
     python tools/bench_startup.py [--reps 5] [--baseline REV]
 """
@@ -19,16 +20,22 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+FRESH_RUN_DIR = "<a new run directory>"
 COMMANDS = {
     "--help": ["--help"],
     "--version": ["--version"],
     "argument error": ["train", "--nproc-per-node", "0"],
     "config error": ["config", "show", "--set", "training.stepz=1"],
     "train: config error": ["train", "--run-dir", os.path.join(tempfile.gettempdir(), "titan-async-bench-startup"), "--set", "training.stepz=1"],
+    "train: 2 processes": ["train", "--config", "debug_cpu_pp2", "--nproc-per-node", "2", "--run-dir", FRESH_RUN_DIR] + [
+        f"--set={s}" for s in ("model.dim=64", "model.n_layers=4", "model.n_heads=4", "training.seq_len=64",
+                               "training.local_batch_size=8", "training.steps=4", "checkpoint.enable=false",
+                               "validation.enable=false", "metrics.enable_tensorboard=false")],
 }
 
 
 def seconds(checkout: Path, args: list[str]) -> float:
+    args = [str(Path(tempfile.mkdtemp()) / "run") if arg == FRESH_RUN_DIR else arg for arg in args]
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "titan_async.cli", *args], cwd=checkout, env=env, capture_output=True)
