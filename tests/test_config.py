@@ -85,8 +85,9 @@ def test_initial_load_in_hf_loads_the_model_only_from_an_absolute_path(tmp_path,
     assert checkpoint.initial_load_path == str(tmp_path / "exports" / "try1")
 
 
-@pytest.mark.parametrize("path", sorted(CONFIGS.glob("10b_*.toml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", sorted(p for p in CONFIGS.glob("10b_*.toml") if "_moe_" not in p.stem), ids=lambda p: p.stem)
 def test_10b_configs_compile_on_cuda_and_stay_eager_on_cpu(path, monkeypatch):
+    """The dense 10B configs (the MoE one stays eager: torchtitan offers no float8 for its experts)."""
     run = load_run_config(path)
     assert run.model.float8 == "rowwise" and run.compile.enable
     assert not compile_config(run).enable  # this machine is a CPU
