@@ -61,7 +61,7 @@ def trained(tmp_path_factory) -> tuple[Path, Path, Path, Path]:
     return root / "run", checkpoint, root / "hf", write_task(root / "task")
 
 
-def reference(export: Path, yaml: Path) -> dict:
+def reference(export: Path, yaml: Path, limit: int = LIMIT, num_fewshot: int | None = FEWSHOT) -> dict:
     """lm-eval's results of the task on the export, through its own Hugging Face model loader."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
@@ -69,7 +69,7 @@ def reference(export: Path, yaml: Path) -> dict:
     output = simple_evaluate(
         model="hf", model_args=f"pretrained={export},dtype=float32", tasks=[TASK],
         task_manager=TaskManager(include_path=str(yaml.parent), include_defaults=False),
-        limit=LIMIT, num_fewshot=FEWSHOT, log_samples=False, device="cuda" if torch.cuda.is_available() else "cpu",
+        limit=limit, num_fewshot=num_fewshot, log_samples=False, device="cuda" if torch.cuda.is_available() else "cpu",
     )
     return output["results"][TASK]
 

@@ -17,12 +17,17 @@ the run.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+import transformers
 
 import nccl_model
-from conftest import CONFIGS, cli_in_process, sets
+from conftest import CONFIGS, cli_in_process, run_cli, sets
 from test_fsdp_schedules import train
+from test_benchmark_eval import OFFLINE, TASK, reference, write_task
+from test_hf_export import export_cli, hf_logits, loaders, titan_model
 from test_schedules import assert_close_weights, assert_same_run, final_weights
 from test_tensor_parallel import assert_resumes_exactly
 
@@ -109,9 +114,37 @@ def test_a_moe_layout_the_schedules_do_not_run_yet_is_one_line(tmp_path, capsys,
     assert not (tmp_path / "run").exists()
 
 
-def test_export_of_a_moe_checkpoint_is_refused_in_one_line(two_bw, tmp_path, capsys):
+def test_export_of_a_load_balanced_moe_checkpoint_is_refused_in_one_line(two_bw, tmp_path, capsys):
+    """transformers' Qwen3-MoE chooses experts without biases, so moved biases cannot be exported."""
     _, pipelined = two_bw
     status, out, err = cli_in_process(capsys, "export", "--checkpoint", str(pipelined / "checkpoint" / "step-6"),
                                       "--out", str(tmp_path / "hf"))
-    assert status == 2 and "has no Hugging Face conversion yet" in err and len(err.strip().splitlines()) == 1, err
+    assert status == 2 and "routes without them; train with model.load_balance_coeff = 0" in err, err
+    assert len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "hf").exists()
+
+
+def test_moe_export_gives_transformers_qwen3_moe_the_logits_of_our_forward(tmp_path):
+    """Without load balancing (biases stay zero) the export is transformers' Qwen3MoeForCausalLM:
+    its logits on a batch equal titan-async's forward of the checkpoint (PP 2, 2BW)."""
+    run_dir = train(tmp_path / "run", *MOE, "model.load_balance_coeff=0", "training.steps=3",
+                    "parallelism.pipeline_parallel_schedule=PipeDream2BW", layout=PP2)
+    checkpoint = run_dir / "checkpoint" / "step-3"
+    export_cli(checkpoint, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["architectures"], config["num_experts"], config["num_experts_per_tok"]) == (["Qwen3MoeForCausalLM"], 8, 2)
+    input_dict, _ = next(iter(loaders(run_dir, "train")[0]))
+    model = titan_model(run_dir, checkpoint)
+    with torch.no_grad():
+        positions = input_dict["positions"]
+        ours = model(input_dict["input"], attention_masks=model.get_attention_masks(positions=positions), positions=positions)
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    difference = (hf_logits(hf, input_dict) - ours).abs()
+    # torchtitan's experts multiply in bfloat16, transformers' in float32: measured mean 2e-5 and
+    # max 5.4e-3 (of logits up to 0.97); with norm_topk_prob wrong, mean 3.9e-3 and max 0.17.
+    assert float(difference.mean()) < 1e-4 and float(difference.max()) < 1e-2 * float(ours.abs().max())
+
+    yaml = write_task(tmp_path / "task")  # eval --tasks builds the same model in memory
+    result = run_cli("eval", "--checkpoint", str(checkpoint), "--tasks", str(yaml), "--limit", "20", "--json", env=OFFLINE)
+    theirs = reference(tmp_path / "hf", yaml, limit=20, num_fewshot=None)
+    assert json.loads(result.stdout)["tasks"][TASK]["metrics"]["acc"] == theirs["acc,none"]

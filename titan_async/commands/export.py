@@ -1,4 +1,5 @@
-"""`titan-async export`: a checkpoint as a Hugging Face Llama directory (transformers, vLLM, lm-eval).
+"""`titan-async export`: a checkpoint as a Hugging Face model directory (Llama, or Qwen3-MoE for
+mixture-of-experts runs; transformers, vLLM, lm-eval).
 
 The conversion (config.json, Hugging Face entry names, tensors, tokenizer) is
 `model.hf_conversion`'s; this command writes it out: the weights as safetensors shards, read
@@ -96,14 +97,14 @@ def _claim_output(out: Path, overwrite: bool) -> Path:
 
 
 def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "float32", overwrite: bool = False) -> None:
-    """Write `checkpoint`'s model as a Hugging Face Llama directory at `out`. The export is built
+    """Write `checkpoint`'s model as a Hugging Face model directory at `out`. The export is built
     beside `out` and moved into place at the end, so a failed export leaves `out` as it was."""
     checked_step(checkpoint)
     scratch = _claim_output(out, overwrite)
     try:
         hf = conversion(checkpoint, dtype)
         _write_weights(checkpoint, scratch, hf.adapter, hf.entries, DTYPES[dtype])
-        (scratch / "config.json").write_text(json.dumps(hf.llama, indent=2))
+        (scratch / "config.json").write_text(json.dumps(hf.config, indent=2))
         generation = {"bos_token_id": hf.tokenizer.bos_id, "eos_token_id": hf.tokenizer.eos_id}
         (scratch / "generation_config.json").write_text(json.dumps(generation, indent=2))
         _write_tokenizer(hf.tokenizer_source, hf.tokenizer, scratch)

@@ -144,7 +144,7 @@ class RunConfig:
         self._check_mixture_of_experts()
         problem = check_pipeline(t, p, dp, self.microbatches())
         problem = problem or check_activation_checkpoint(p, self.activation_checkpoint.mode)
-        problem = problem or self.eval.check(self.checkpoint, self.model.family)
+        problem = problem or self.eval.check(self.checkpoint, self.model)
         if problem:
             raise UserError(f"{self.source}: {problem}")
         if streaming_schedule(p.pipeline_parallel_schedule) and self.checkpoint.async_mode != "disabled":

@@ -51,9 +51,9 @@ class EvalSection:
     batch_size: int = 8
     """Sequences per forward of the evaluation."""
 
-    def check(self, checkpoint, family: str) -> str | None:
+    def check(self, checkpoint, model) -> str | None:
         """What stops these benchmarks from running with `checkpoint` (torchtitan's checkpoint
-        config) and model `family`, as a message naming the key, or None."""
+        config) and `model` (the [model] section), as a message naming the key, or None."""
         if not self.tasks:
             return None
         if importlib.util.find_spec("lm_eval") is None:
@@ -61,8 +61,9 @@ class EvalSection:
         for task in self.tasks:
             if task.endswith((".yaml", ".yml")) and not Path(task).is_file():
                 return f"eval.tasks: no such task file {task}"
-        if family != "llama3":
-            return f"eval.tasks: benchmarks run on the Hugging Face conversion, which model.family = {family!r} does not have yet"
+        if model.family == "qwen3_moe" and model.load_balance_coeff:
+            return ("eval.tasks: benchmarks run on the Hugging Face conversion, and transformers' Qwen3-MoE routes "
+                    "without expert biases; set model.load_balance_coeff = 0")
         if not checkpoint.enable:
             return "eval.tasks evaluates the run's checkpoints; set checkpoint.enable = true"
         freq = self.freq or checkpoint.interval

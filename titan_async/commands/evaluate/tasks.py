@@ -1,6 +1,6 @@
 """`titan-async eval --tasks`: lm-evaluation-harness benchmarks of a checkpoint, in this process.
 
-The checkpoint becomes a transformers `LlamaForCausalLM` in memory through `model.hf_conversion`
+The checkpoint becomes a transformers model (Llama, Qwen3-MoE) in memory through `model.hf_conversion`
 (the weights, config and tokenizer that `export` writes; nothing is written to disk)
 and runs through lm-eval's own `HFLM`, so the results are those of `lm_eval --model hf` on the
 export. A task is a name lm-eval knows (its data set downloaded by `datasets` on first use) or
@@ -69,15 +69,14 @@ def load_tasks(specs: list[str]) -> tuple[TaskManager, list]:
     return manager, built
 
 
-def hf_llama(checkpoint: Path) -> tuple[transformers.LlamaForCausalLM, transformers.PreTrainedTokenizerFast]:
-    """`checkpoint` as a float32 transformers Llama and its tokenizer, built in memory from
+def hf_model(checkpoint: Path) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerFast]:
+    """`checkpoint` as a float32 transformers model and its tokenizer, built in memory from
     what `export` would write (UserError as `export` gives one)."""
     hf = conversion(checkpoint, "float32")
     state = read_hf_tensors(checkpoint, hf.adapter, hf.entries, list(hf.entries))
     transformers.utils.logging.disable_progress_bar()
-    model = transformers.LlamaForCausalLM.from_pretrained(
-        None, config=transformers.LlamaConfig(**hf.llama), state_dict=state, dtype=torch.float32
-    )
+    model_class = getattr(transformers, hf.config["architectures"][0])
+    model = model_class.from_pretrained(None, config=model_class.config_class(**hf.config), state_dict=state, dtype=torch.float32)
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=hf_fast_tokenizer(hf.tokenizer_source, hf.tokenizer),
         bos_token=hf.tokenizer.bos_token,
@@ -126,7 +125,7 @@ def evaluate_tasks(checkpoint: Path, tasks: str, *, limit: int | None, num_fewsh
     step = checked_step(checkpoint)
     datasets.disable_progress_bars()  # lm-eval's own bar shows the progress
     manager, built = load_tasks(specs)
-    model, tokenizer = hf_llama(checkpoint)
+    model, tokenizer = hf_model(checkpoint)
     model.to("cuda" if torch.cuda.is_available() else "cpu")
     output = lm_eval.simple_evaluate(
         model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size),
