@@ -36,7 +36,7 @@ def number(cell: str) -> float:
 def test_benchmark_runs_sync_zero_bubble_and_streaming_schedules_and_saves_the_table(tmp_path):
     command = [sys.executable, "tools/bench_schedules.py", "--stages", "2", "--microbatches", "2", "--microbatch-size", "1",
                "--seq-len", "32", "--dim", "64", "--layers", "3", "--steps", "5", "--warmup", "1", "--reps", "1",
-               "--schedules", "1F1B,ZBVZeroBubble,PipeDream2BW", "--out", str(tmp_path)]
+               "--schedules", "1F1B,ZBVZeroBubble,PipeDream2BW", "--out", str(tmp_path), "--simulate"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900, env=fresh_environment())
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
@@ -58,14 +58,27 @@ def test_benchmark_runs_sync_zero_bubble_and_streaming_schedules_and_saves_the_t
         assert float(row["vs best sync"]) == pytest.approx(number(row["tokens/s"]) / number(best["tokens/s"]), abs=2e-3)
     assert float(table["1F1B"]["vs 1F1B"]) == 1.0 and float(best["vs best sync"]) == 1.0
 
-    bubbles = [float(b.rstrip("%")) / 100 for b in table["PipeDream2BW"]["bubble per rank"].split()]
-    assert len(bubbles) == 2 and all(0 <= b < 1 for b in bubbles)
+    for row in rows:  # measured from every run's trace
+        bubbles = [float(b.rstrip("%")) / 100 for b in row["bubble per rank"].split()]
+        assert len(bubbles) == 2 and all(0 <= b < 1 for b in bubbles)
     # (p-1)/(m+p-1) for 1F1B; no formula for zero bubble
-    assert table["1F1B"]["bubble per rank"] == "[33%] [33%]"
-    assert table["ZBVZeroBubble"]["bubble per rank"] == "- -"
+    assert table["1F1B"]["formula bubble"] == "33%"
+    assert table["ZBVZeroBubble"]["formula bubble"] == table["PipeDream2BW"]["formula bubble"] == "-"
     # 2BW holds exactly one extra copy of each rank's stage weights (as planned)
     assert table["PipeDream2BW"]["weight copies MiB per rank"].split() == weights.split(": ")[1].split()
     assert (tmp_path / "bench_schedules_p2_m2.png").stat().st_size > 0
+
+    # --simulate: each run simulated from its own trace, beside the measured ratio of the same run
+    with open(tmp_path / "bench_schedules_p2_m2_simulated.csv") as f:
+        simulated = {row["schedule"]: row for row in csv.DictReader(f)}
+    assert list(simulated) == list(table)
+    for schedule, row in simulated.items():
+        assert row["measured vs 1F1B"] == table[schedule]["vs 1F1B"]
+        assert number(row["simulated tokens/s"]) > 0
+        difference = float(row["simulated vs 1F1B"]) / float(row["measured vs 1F1B"]) - 1
+        assert float(row["difference"].rstrip("%")) == pytest.approx(100 * difference, abs=0.2)
+    assert simulated["1F1B"]["simulated vs 1F1B"] == "1.000"
+    assert "largest difference: " in result.stdout
 
 
 def test_benchmark_with_fsdp_prints_each_ranks_fsdp_traffic_against_1f1b(tmp_path):

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import cli_in_process
+from conftest import REPO, cli_in_process
 
 from titan_async.pipeline.simulation import (
     Costs,
     Link,
     compare,
     compute_actions,
+    costs_from_trace,
     one_f_one_b,
     placement,
     run_tasks,
@@ -105,6 +106,33 @@ def test_streaming_step_of_one_stage_does_not_stall_the_other():
     assert barrier.step_time == pytest.approx(9.0 + 3.0)  # the flush, then all wait for stage 0's step
 
 
+def _hand_traced_1f1b() -> list[dict]:
+    """Three steps of 1F1B at p = 2, m = 2, every 10 s, written out by hand: forwards 1 s,
+    backwards 2 s, messages arrive 0.1 s after their producer ends; optimizer steps 0.2 s, rank 0's
+    0.1 s and rank 1's 0.05 s after the slower flush ends (9.2 s); rank 0 starts the next step 0.5 s
+    after its optimizer step (host work: 0.6 s per step), rank 1 0.05 s per step."""
+    rank0 = [("0F0", 0, 1), ("0F1", 1, 2), ("0B0", 4.2, 6.2), ("0B1", 7.2, 9.2), ("0O", 9.3, 9.5)]
+    rank1 = [("1F0", 1.1, 2.1), ("1B0", 2.1, 4.1), ("1F1", 4.1, 5.1), ("1B1", 5.1, 7.1), ("1O", 9.25, 9.45)]
+    events = []
+    for step in range(3):
+        for rank, actions in enumerate((rank0, rank1)):
+            for name, start, end in actions:
+                name = f"{name}{step + 1}" if name.endswith("O") else name
+                events.append({"name": name, "tid": rank, "ts": (start + 10 * step) * 1e6, "dur": (end - start) * 1e6})
+    return events
+
+
+def test_costs_from_a_hand_written_trace_and_its_step_time_simulated_back():
+    costs = costs_from_trace(_hand_traced_1f1b(), microbatches=2, synchronous=True)
+    assert costs.forward == pytest.approx((1.0, 1.0)) and costs.backward == pytest.approx((2.0, 2.0))
+    assert costs.optimizer == pytest.approx((0.2, 0.2))
+    assert [c for stage in costs.stage_costs for c in stage] == pytest.approx([1.0, 2.0, 0.0, 1.0, 2.0, 0.0])
+    assert costs.intra_node.latency == pytest.approx(0.1)
+    assert costs.host == pytest.approx((0.6, 0.05))
+    result = simulate_synchronous("1F1B", one_f_one_b(2, 2), costs)
+    assert result.step_time == pytest.approx(10.0)
+
+
 def test_compare_ratios():
     rows, skipped = compare(4, 8, _zero_cost(4))
     by_name = {row.result.name: row for row in rows}
@@ -150,3 +178,44 @@ def test_plan_simulate_bad_flags(capsys, flag, value):
                                     "--gpus-per-node", "8", "--simulate", flag, value)
     assert status == 2
     assert flag in err and len(err.strip().splitlines()) == 1
+
+
+def _traced_run(directory, events: list[dict]):
+    """A run directory as `train` leaves it with metrics.pipeline_trace: PP 2, 1F1B, m = 2."""
+    config = (REPO / "train_configs" / "debug_cpu_pp2.toml").read_text()
+    (directory / "pipeline").mkdir(parents=True)
+    (directory / "config.toml").write_text(config.replace("pipeline_parallel_microbatch_size = 2", "pipeline_parallel_microbatch_size = 4"))
+    (directory / "launch.json").write_text(json.dumps({"world_size": 2}))
+    (directory / "pipeline" / "trace.json").write_text(json.dumps({"traceEvents": events}))
+    return directory
+
+
+def test_plan_simulates_with_a_runs_traced_costs_and_draws_the_gantt(capsys, tmp_path):
+    run = _traced_run(tmp_path / "run", _hand_traced_1f1b())
+    gantt = tmp_path / "gantt.png"
+    status, out, err = cli_in_process(capsys, "plan", "--config", str(run / "config.toml"), "--nodes", "1", "--gpus-per-node", "2",
+                                      "--simulate", "--costs-from", str(run), "--gantt", str(gantt), "--json")
+    assert status == 0, err
+    simulation = json.loads(out)["simulation"]
+    one_f_one_b = next(row for row in simulation["schedules"] if row["name"] == "1F1B")
+    assert one_f_one_b["step_seconds"] == pytest.approx(10.0)  # the hand-written trace's own step time
+    assert simulation["costs"]["host"] == pytest.approx([0.6, 0.05])
+    assert any(f"costs measured by {run}/pipeline/trace.json" in line for line in simulation["assumptions"])
+    assert gantt.stat().st_size > 0
+
+
+@pytest.mark.parametrize("case", ["no trace", "other degree", "gantt without simulate"])
+def test_plan_costs_from_bad_input_is_one_line(capsys, tmp_path, case):
+    run = _traced_run(tmp_path / "run", _hand_traced_1f1b())
+    args = ["plan", "--config", str(run / "config.toml"), "--nodes", "1", "--gpus-per-node", "2", "--simulate", "--costs-from", str(run)]
+    expected = "--costs-from"
+    if case == "no trace":
+        (run / "pipeline" / "trace.json").unlink()
+    elif case == "other degree":
+        args[2:7] = ["train_configs/10b_2bw_muon.toml", "--nodes", "8", "--gpus-per-node", "8"]
+        expected = "pipeline_parallel_degree = 2, the plan 8"
+    else:
+        args = args[:7] + ["--gantt", str(tmp_path / "g.png")]
+        expected = "--gantt: applies only with --simulate"
+    status, _, err = cli_in_process(capsys, *args)
+    assert status == 2 and expected in err and len(err.strip().splitlines()) == 1, err

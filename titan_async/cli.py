@@ -111,6 +111,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--peak-tflops", type=float, default=989.0, help="--simulate: peak TFLOP/s per GPU (default: 989, H100 bf16)")
     plan.add_argument("--intra-node-gbps", type=float, default=450.0, help="--simulate: GB/s within a node (default: 450)")
     plan.add_argument("--inter-node-gbps", type=float, default=50.0, help="--simulate: GB/s between nodes (default: 50)")
+    plan.add_argument("--costs-from", type=Path, metavar="RUN_DIR",
+                      help="--simulate: costs measured by this traced run (metrics.pipeline_trace) of the same pipeline degree")
+    plan.add_argument("--gantt", type=Path, metavar="PNG", help="--simulate: draw each schedule's first simulated steps")
 
     config = commands.add_parser("config", help="inspect configs")
     config_commands = config.add_subparsers(dest="config_command", required=True)
@@ -286,10 +289,14 @@ def _plan(args) -> int:
 
     cluster = Cluster.parse(args.nodes, args.gpus_per_node, args.gpu_memory)
     simulation = None
+    for flag, value in (("--costs-from", args.costs_from), ("--gantt", args.gantt)):
+        if value is not None and not args.simulate:
+            raise UserError(f"{flag}: applies only with --simulate")
     if args.simulate:
         from titan_async.commands.plan.simulate import SimulationOptions
 
-        simulation = SimulationOptions(args.mfu, args.peak_tflops, args.intra_node_gbps, args.inter_node_gbps)
+        simulation = SimulationOptions(args.mfu, args.peak_tflops, args.intra_node_gbps, args.inter_node_gbps,
+                                       args.costs_from, args.gantt)
     return run_plan(load_run_config(_config_path(args.config), args.set), cluster, args.strict, args.json, simulation)
 
 

@@ -43,6 +43,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from titan_async.pipeline.simulation import costs_from_trace, simulate
+
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "train_configs" / "debug_cpu_pp2.toml"
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "PipeDream2BW", "PACI"]
@@ -71,7 +73,7 @@ def settings(schedule: str, args) -> list[str]:
         "checkpoint.enable=false",
         "validation.enable=false",
         "metrics.enable_tensorboard=false",
-        f"metrics.pipeline_trace={str(schedule in STREAMING).lower()}",
+        "metrics.pipeline_trace=true",
     ]
 
 
@@ -104,7 +106,7 @@ def stage_weights_mib(args) -> dict[int, float]:
 
 def ideal_step_time(trace: Path, microbatches: int) -> float:
     """Seconds per step of the slowest rank if it never waited: m x (median forward + median
-    backward) + median optimizer step, from a traced run's action durations."""
+    backward) + median optimizer step, from a traced streaming run's action durations."""
     durations: dict[int, dict[str, list[float]]] = {}
     for event in json.loads(trace.read_text())["traceEvents"]:
         kind = re.fullmatch(r"\d+([FBO])\d+", event["name"]).group(1)
@@ -131,10 +133,15 @@ def run(schedule: str, args, run_dir: Path) -> dict:
     tokens = args.microbatch_size * args.microbatches * args.seq_len * args.fsdp * args.replicas * args.accumulate
     trace = run_dir / "pipeline" / "trace.json"
     window = args.microbatches * args.accumulate  # a streaming step's microbatches
+    simulated = None
+    if args.simulate:
+        costs = costs_from_trace(json.loads(trace.read_text())["traceEvents"], window, schedule not in STREAMING, args.accumulate)
+        simulated = tokens / simulate(schedule, args.stages, args.microbatches, costs, flushes=args.accumulate).step_time
     return {
         "tokens_per_s": tokens / step_time,
-        "ideal_tokens_per_s": tokens / ideal_step_time(trace, window) if trace.is_file() else None,
-        "bubble": {r: statistics.median(rows[s]["bubble"] for s in measured) if schedule in STREAMING else None for r, rows in per_rank.items()},
+        "simulated_tokens_per_s": simulated,
+        "ideal_tokens_per_s": tokens / ideal_step_time(trace, window) if schedule in STREAMING else None,
+        "bubble": {r: statistics.median(rows[s]["bubble"] for s in measured) for r, rows in per_rank.items()},
         "memory_gib": {r: max(rows[s]["memory_gib"] for s in measured) for r, rows in per_rank.items()},
         "copies_mib": {r: 1024 * max(rows[s].get("weight_versions_gib", 0.0) for s in measured) for r, rows in per_rank.items()},
         "collective_mib": {r: median_mib(rows, measured, *COLLECTIVES) for r, rows in per_rank.items()},
@@ -159,6 +166,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
+    parser.add_argument("--simulate", action="store_true",
+                        help="also simulate each run from its own trace (titan_async.pipeline.simulation) and print "
+                             "simulated against measured ratios to 1F1B")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results")
     args = parser.parse_args()
     schedules = args.schedules.split(",")
@@ -199,18 +209,15 @@ def report(results: dict[str, list[dict]], weights: dict[int, float], args) -> N
     peak = {s: {k: max(r["memory_gib"][k] for r in runs) for k in runs[0]["memory_gib"]} for s, runs in results.items()}
     for schedule, runs in results.items():
         ranks = sorted(runs[0]["memory_gib"])
-        if schedule in STREAMING:
-            bubbles = [f"{statistics.median(r['bubble'][k] for r in runs):.1%}" for k in ranks]
-        else:
-            predicted = predicted_bubble(schedule, p, m)
-            bubbles = ["-" if predicted is None else f"[{predicted:.0%}]" for _ in ranks]
+        bubbles = [f"{statistics.median(r['bubble'][k] for r in runs):.1%}" for k in ranks]
+        formula = predicted_bubble(schedule, p, m) if schedule not in STREAMING else None
         memory = [f"{peak[schedule][k]:.3f}" for k in ranks]
         extra = [f"{peak[schedule][k] - peak['1F1B'][k]:+.3f}" for k in ranks] if "1F1B" in peak else ["-"]
         copies = [f"{max(r['copies_mib'][k] for r in runs):.2f}" for k in ranks] if schedule in STREAMING else ["-"]
         speed = median[schedule]
         rows.append([schedule, f"{speed:,.0f}", f"{min(speeds[schedule]):,.0f}", f"{max(speeds[schedule]):,.0f}",
                      ratio(speed, median.get("1F1B")), ratio(speed, median.get(best_sync)), ratio(speed, ideal),
-                     " ".join(bubbles), " ".join(memory), " ".join(extra), " ".join(copies)])
+                     " ".join(bubbles), "-" if formula is None else f"{formula:.0%}", " ".join(memory), " ".join(extra), " ".join(copies)])
         if data_parallel(args):
             mine, base = traffic[schedule], traffic.get("1F1B")
             if base:
@@ -218,7 +225,7 @@ def report(results: dict[str, list[dict]], weights: dict[int, float], args) -> N
             rows[-1] += [" ".join(f"{mine[k]:.4g}" for k in ranks), " ".join(f"{all_reduce[schedule][k]:.4g}" for k in ranks),
                          f"{worst[schedule]:.3f}" if base else "-"]
     header = ["schedule", "tokens/s", "min", "max", "vs 1F1B", "vs best sync", "of ideal", "bubble per rank",
-              "peak GiB per rank", "vs 1F1B GiB per rank", "weight copies MiB per rank"]
+              "formula bubble", "peak GiB per rank", "vs 1F1B GiB per rank", "weight copies MiB per rank"]
     if data_parallel(args):
         header += ["collective MiB/step per rank", "replica all-reduce MiB/step per rank", "collective vs 1F1B (worst rank)"]
     widths = [max(len(str(row[i])) for row in rows + [header]) for i in range(len(header))]
@@ -237,6 +244,40 @@ def report(results: dict[str, list[dict]], weights: dict[int, float], args) -> N
         csv.writer(f).writerows([header] + rows)
     plot(rows, ideal, p, m, stem.with_suffix(".png"))
     print(f"saved {stem}.csv and {stem}.png")
+    if args.simulate:
+        report_simulation(results, args.reps, stem.with_name(stem.name + "_simulated.csv"))
+
+
+SIMULATION_TOLERANCE = 0.05
+"""The accepted calibration error: simulated ratio to 1F1B within 5% of the measured one."""
+
+
+def report_simulation(results: dict[str, list[dict]], reps: int, path: Path) -> None:
+    """Per schedule, the medians over repetitions of the measured and the simulated ratio of its
+    tokens/s to 1F1B's in the same repetition (each run simulated from its own trace), their
+    relative difference against `SIMULATION_TOLERANCE`, and both tokens/s."""
+    if "1F1B" not in results:
+        print("--simulate: no ratios without 1F1B among --schedules")
+        return
+    header = ["schedule", "measured vs 1F1B", "simulated vs 1F1B", "difference", "measured tokens/s", "simulated tokens/s"]
+    rows, worst = [], 0.0
+    for schedule, runs in results.items():
+        measured = statistics.median(r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, results["1F1B"]))
+        simulated = statistics.median(r["simulated_tokens_per_s"] / b["simulated_tokens_per_s"] for r, b in zip(runs, results["1F1B"]))
+        difference = simulated / measured - 1
+        worst = max(worst, abs(difference))
+        rows.append([schedule, f"{measured:.3f}", f"{simulated:.3f}", f"{difference:+.1%}",
+                     f"{statistics.median(r['tokens_per_s'] for r in runs):,.0f}",
+                     f"{statistics.median(r['simulated_tokens_per_s'] for r in runs):,.0f}"])
+    widths = [max(len(row[i]) for row in rows + [header]) for i in range(len(header))]
+    print(f"\nsimulated from each run's own trace (median of {reps} repetitions of the ratio within a repetition):")
+    for row in [header] + rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
+    verdict = "within" if worst <= SIMULATION_TOLERANCE else "ABOVE"
+    print(f"largest difference: {worst:.1%} ({verdict} the accepted {SIMULATION_TOLERANCE:.0%})")
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([header] + rows)
+    print(f"saved {path}")
 
 
 def layout_suffix(args, separator: str, equals: str) -> str:

@@ -21,6 +21,8 @@ latest end, over ranks, of a step's optimizer step or, for a streaming window, o
 from __future__ import annotations
 
 import math
+import re
+import statistics
 from collections import Counter
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -67,6 +69,12 @@ class Costs:
     node_of_rank: tuple[int, ...] | None = None
     """Node of each pipeline rank; None = all on one node."""
     collective: float = 0.0
+    stage_costs: tuple[tuple[float, float, float], ...] | None = None
+    """Measured (forward, input gradient, weight gradient) seconds of each stage, in place of
+    the per-rank shares (a full backward takes input + weight gradient) for a schedule with as
+    many stages."""
+    host: tuple[float, ...] | None = None
+    """Seconds per step each rank runs nothing at the step boundary (host work); None = 0."""
 
     @classmethod
     def uniform(cls, ranks: int, forward: float, backward: float, optimizer: float = 0.0, **kwargs) -> Costs:
@@ -81,12 +89,113 @@ class Costs:
         return (self.intra_node if same_node else self.inter_node).transfer(self.message_bytes)
 
 
+TRACE_ACTION = re.compile(r"(\d+)([FBIWO])(\d+)")
+"""A `trace.Timeline` event name: stage, action (F, B, I, W, O: optimizer step) and microbatch
+(for O: a step count)."""
+
+
+@dataclass(frozen=True)
+class TracedAction:
+    stage: int
+    kind: str
+    microbatch: int
+    flush: int
+    """How many times this stage ran this action of this microbatch before (torch's schedules
+    number microbatches per flush; the streaming ones globally, so 0 there)."""
+    rank: int
+    start: float
+    end: float
+
+
+def traced_actions(events: list[dict]) -> list[TracedAction]:
+    """The actions of Chrome trace events of `trace.Timeline` (microseconds), in start order."""
+    seen: Counter[tuple[int, str, int]] = Counter()
+    actions = []
+    for event in sorted(events, key=lambda e: e["ts"]):
+        stage, kind, index = TRACE_ACTION.fullmatch(event["name"]).groups()
+        key = int(stage), kind, int(index)
+        actions.append(TracedAction(*key, seen[key], event["tid"], event["ts"] / 1e6, (event["ts"] + event["dur"]) / 1e6))
+        seen[key] += 1
+    return actions
+
+
+def costs_from_trace(events: list[dict], microbatches: int, synchronous: bool, flushes: int = 1) -> Costs:
+    """The costs a traced run measured (`microbatches` per optimizer step in `flushes` flushes;
+    `synchronous`: one of torch's schedules, whose optimizer steps wait for every rank's flush):
+    - each stage's median forward, input-gradient and weight-gradient time (a full backward B
+      counts as input gradient), and each rank's median optimizer step;
+    - the link latency: the median time from a message's producer ending to its consumer
+      starting, over the actions that waited for their message (send, receive and the host work
+      around them);
+    - each rank's host time per step: the time it ran nothing although its next action was ready
+      (its message there, or its barrier passed), summed per step, median over steps; it covers
+      data loading, logging, gradient clipping and the gaps between actions."""
+    actions = traced_actions(events)
+    per_flush = microbatches // flushes
+    by_key = {(a.stage, a.kind, a.microbatch, a.flush): a for a in actions if a.kind != "O"}
+    stages = {a.stage: a.rank for a in actions if a.kind == "F"}
+    ranks = sorted(set(stages.values()))
+    last_stage = max(stages)
+    median = statistics.median
+
+    def durations(stage: int, kind: str) -> list[float]:
+        return [a.end - a.start for a in actions if a.stage == stage and a.kind == kind]
+
+    stage_costs = []
+    for stage in range(last_stage + 1):
+        split = durations(stage, "I")
+        stage_costs.append((median(durations(stage, "F")), median(split or durations(stage, "B")),
+                            median(durations(stage, "W")) if split else 0.0))
+    step_of = {a: (a.flush * per_flush + a.microbatch) // microbatches for a in actions if a.kind != "O"}
+    flush_end: dict[int, float] = {}
+    for action, step in step_of.items():
+        flush_end[step] = max(flush_end.get(step, 0.0), action.end)
+
+    def ready(action: TracedAction, step: int) -> tuple[float, bool]:
+        """When its input was there, and whether a message from another rank brought it."""
+        s, k, n = action.stage, action.microbatch, action.flush
+        if action.kind == "O":
+            return (flush_end[step] if synchronous else 0.0), False
+        if action.kind == "F" and s > 0:
+            producer = by_key.get((s - 1, "F", k, n))
+        elif action.kind in "BI" and s < last_stage:
+            producer = by_key.get((s + 1, "B", k, n)) or by_key.get((s + 1, "I", k, n))
+        else:
+            return 0.0, False
+        return (producer.end, producer.rank != action.rank) if producer else (0.0, False)
+
+    latencies, host = [], {rank: Counter() for rank in ranks}
+    for rank in ranks:
+        previous, step = None, 0
+        for action in (a for a in actions if a.rank == rank):
+            step = step_of.get(action, step)
+            if previous is not None:
+                at, message = ready(action, step)
+                idle = max(0.0, action.start - max(previous, at))
+                if message and at > previous:
+                    latencies.append(idle)
+                else:
+                    host[rank][step] += idle
+            previous = action.end
+    optimizer = [[a.end - a.start for a in actions if a.rank == rank and a.kind == "O"] for rank in ranks]
+    return Costs(
+        forward=tuple(sum(stage_costs[s][0] for s, r in stages.items() if r == rank) for rank in ranks),
+        backward=tuple(sum(sum(stage_costs[s][1:]) for s, r in stages.items() if r == rank) for rank in ranks),
+        optimizer=tuple(median(o) if o else 0.0 for o in optimizer),
+        intra_node=Link(median(latencies) if latencies else 0.0),
+        stage_costs=tuple(stage_costs),
+        host=tuple(median(host[rank].values()) if host[rank] else 0.0 for rank in ranks),
+    )
+
+
 @dataclass(frozen=True)
 class Task:
     key: Hashable
     duration: float
     deps: tuple[tuple[Hashable, float], ...] = ()
     """(key of a task, delay after its end) pairs."""
+    label: str = ""
+    """Its name in a trace: stage, action letter (F, B, I, W, O: optimizer step, H: host work), microbatch."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +205,8 @@ class Result:
     name: str
     step_time: float
     bubble: tuple[float, ...]
+    events: tuple[dict, ...] = ()
+    """Every simulated task as a Chrome trace event (`trace.Timeline.write`'s format), for Gantt charts."""
 
 
 def run_tasks(streams: list[list[Task]]) -> list[list[tuple[float, float]]]:
@@ -145,24 +256,36 @@ def _task(action: _Action, tag: Hashable, rank_of: dict[int, int], per_rank: Cou
     `per_rank` counts each rank's stages."""
     s, kind, k = action.stage_index, action.computation_type, action.microbatch_index
     rank, stages = rank_of[s], len(rank_of)
-    share = 1 / per_rank[rank]
-    backward = costs.backward[rank] * share
+    if costs.stage_costs and len(costs.stage_costs) == stages:
+        forward, input_gradient, weight_gradient = costs.stage_costs[s]
+    else:
+        share = 1 / per_rank[rank]
+        forward, backward = costs.forward[rank] * share, costs.backward[rank] * share
+        input_gradient, weight_gradient = backward * costs.input_fraction, backward * (1 - costs.input_fraction)
+    label = f"{s}{kind.value}{k}"
     if kind == F:
         deps = ((((tag, s - 1, "F", k), costs.link(rank_of[s - 1], rank)),) if s > 0 else ())
-        return Task((tag, s, "F", k), costs.forward[rank] * share, deps)
+        return Task((tag, s, "F", k), forward, deps, label)
     if kind == W:
-        return Task((tag, s, "W", k), backward * (1 - costs.input_fraction), (((tag, s, "dx", k), 0.0),))
+        return Task((tag, s, "W", k), weight_gradient, (((tag, s, "dx", k), 0.0),), label)
     deps = [((tag, s, "F", k), 0.0)]
     if s < stages - 1:
         deps.append(((tag, s + 1, "dx", k), costs.link(rank_of[s + 1], rank)))
-    return Task((tag, s, "dx", k), backward * (costs.input_fraction if kind == I else 1.0), tuple(deps))
+    return Task((tag, s, "dx", k), input_gradient + (weight_gradient if kind == B else 0.0), tuple(deps), label)
 
 
-def _measure(name: str, times: list[list[tuple[float, float]]], start: float, stop: float, steps: int) -> Result:
-    """Per-rank idle share of [start, stop], which spans `steps` steps."""
+def host_time(costs: Costs, rank: int) -> float:
+    return costs.host[rank] if costs.host else 0.0
+
+
+def _measure(name: str, streams: list[list[Task]], times: list[list[tuple[float, float]]], start: float, stop: float,
+             steps: int) -> Result:
+    """Per-rank idle share of [start, stop], which spans `steps` steps, and every task as an event."""
     wall = stop - start
     bubble = tuple(1 - sum(max(0.0, min(b, stop) - max(a, start)) for a, b in rank) / wall for rank in times)
-    return Result(name, wall / steps, bubble)
+    events = tuple({"name": task.label, "tid": rank, "ts": a * 1e6, "dur": (b - a) * 1e6}
+                   for rank, (stream, spans) in enumerate(zip(streams, times)) for task, (a, b) in zip(stream, spans))
+    return Result(name, wall / steps, bubble, events)
 
 
 def check_order(order: dict[int, list[_Action]], microbatches: int) -> None:
@@ -202,7 +325,7 @@ def torch_order(name: str, ranks: int, microbatches: int) -> dict[int, list[_Act
 
 def simulate_synchronous(name: str, order: dict[int, list[_Action]], costs: Costs, flushes: int = 1, steps: int = 3) -> Result:
     """`steps` optimizer steps of `flushes` flushes of `order` each, then a global barrier and each
-    rank's optimizer step; the steps after the first are measured."""
+    rank's optimizer step and host work; the steps after the first are measured."""
     rank_of = placement(order)
     per_rank = Counter(rank_of.values())
     ranks = len(order)
@@ -214,11 +337,12 @@ def simulate_synchronous(name: str, order: dict[int, list[_Action]], costs: Cost
                 streams[rank] += [_task(a, flush, rank_of, per_rank, costs) for a in order[rank]]
         barrier = tuple((stream[-1].key, 0.0) for stream in streams)
         for rank in range(ranks):
-            step_at[rank].append(len(streams[rank]))
-            streams[rank].append(Task(("step", step, rank), costs.optimizer[rank] + costs.collective, barrier))
+            streams[rank].append(Task(("step", step, rank), costs.optimizer[rank] + costs.collective, barrier, f"{rank}O{step}"))
+            streams[rank].append(Task(("host", step, rank), host_time(costs, rank), label=f"{rank}H{step}"))
+            step_at[rank].append(len(streams[rank]) - 1)
     times = run_tasks(streams)
     boundary = [max(times[r][step_at[r][step]][1] for r in range(ranks)) for step in range(steps)]
-    return _measure(name, times, boundary[0], boundary[-1], steps - 1)
+    return _measure(name, streams, times, boundary[0], boundary[-1], steps - 1)
 
 
 def streaming_streams(ranks: int, microbatches: int, windows: int, costs: Costs, update_every: int) -> tuple[list[list[Task]], list[list[int]]]:
@@ -234,16 +358,21 @@ def streaming_streams(ranks: int, microbatches: int, windows: int, costs: Costs,
                 streams[stage].append(_task(action, 0, rank_of, per_rank, costs))
                 window_of[stage].append(window)
                 if action.computation_type == B and (action.microbatch_index + 1) % update_every == 0:
-                    streams[stage].append(Task(("step", stage, action.microbatch_index), costs.optimizer[stage] + costs.collective))
+                    streams[stage].append(Task(("step", stage, action.microbatch_index), costs.optimizer[stage] + costs.collective,
+                                               label=f"{stage}O{action.microbatch_index}"))
                     window_of[stage].append(window)
+            if host_time(costs, stage):
+                streams[stage].append(Task(("host", stage, window), host_time(costs, stage), label=f"{stage}H{window}"))
+                window_of[stage].append(window)
     return streams, window_of
 
 
 def simulate_streaming(name: str, ranks: int, microbatches: int, costs: Costs, update_every: int | None = None,
                        windows: int | None = None) -> Result:
     """The streaming stream (one stage per rank) for `windows` windows (default p + 6), stepping
-    each stage after every `update_every` backwards (default m: 2BW); measured from the middle
-    window to the third-last (the last two keep every rank busy past the end of the measure)."""
+    each stage after every `update_every` backwards (default m: 2BW) and doing its host work at
+    the end of each window; measured from the middle window to the third-last (the last two keep
+    every rank busy past the end of the measure)."""
     windows = windows or ranks + 6
     streams, window_of = streaming_streams(ranks, microbatches, windows, costs, update_every or microbatches)
     times = run_tasks(streams)
@@ -252,7 +381,19 @@ def simulate_streaming(name: str, ranks: int, microbatches: int, costs: Costs, u
         for (_, end), window in zip(times[rank], window_of[rank]):
             boundary[window] = max(boundary[window], end)
     first, last = windows // 2, windows - 3
-    return _measure(name, times, boundary[first - 1], boundary[last], last - first + 1)
+    return _measure(name, streams, times, boundary[first - 1], boundary[last], last - first + 1)
+
+
+def simulate(name: str, ranks: int, microbatches: int, costs: Costs, *, flushes: int = 1,
+             accumulation: int | None = None) -> Result:
+    """Schedule `name`'s steady state at p = `ranks`, m = `microbatches` per flush (a streaming
+    window holds `flushes` x m; PACI steps every `accumulation` backwards, default the window);
+    torch's error when it cannot build the schedule for p, m."""
+    window = microbatches * flushes
+    if name in STREAMING_SCHEDULES:
+        every = (accumulation or window) if name == "PACI" else window
+        return simulate_streaming(name, ranks, window, costs, every)
+    return simulate_synchronous(name, torch_order(name, ranks, microbatches), costs, flushes)
 
 
 @dataclass(frozen=True)
@@ -267,24 +408,16 @@ class Comparison:
 def compare(ranks: int, microbatches: int, costs: Costs, *, flushes: int = 1, accumulation: int | None = None,
             schedules: tuple[str, ...] = TORCH_SCHEDULES + tuple(STREAMING_SCHEDULES),
             costs_of: Callable[[str], Costs] | None = None) -> tuple[list[Comparison], dict[str, str]]:
-    """Every schedule of `schedules` for p = `ranks` and m = `microbatches` per flush (a streaming
-    window holds `flushes` x m; PACI steps every `accumulation` backwards, default the window),
-    and name -> why it was skipped (torch could not build it). `costs_of(name)`, when given,
-    replaces `costs` per schedule. Ratios need 1F1B among the results."""
+    """Every schedule of `schedules` (`simulate`), and name -> why it was skipped (torch could
+    not build it). `costs_of(name)`, when given, replaces `costs` per schedule. Ratios need 1F1B
+    among the results."""
     results, skipped = [], {}
-    window = microbatches * flushes
     for name in schedules:
-        cost = costs_of(name) if costs_of else costs
-        if name in STREAMING_SCHEDULES:
-            every = (accumulation or window) if name == "PACI" else window
-            results.append(simulate_streaming(name, ranks, window, cost, every))
-            continue
         try:
-            order = torch_order(name, ranks, microbatches)
+            results.append(simulate(name, ranks, microbatches, costs_of(name) if costs_of else costs,
+                                    flushes=flushes, accumulation=accumulation))
         except Exception as err:  # torch refuses some (p, m) in its own words
             skipped[name] = f"{type(err).__name__}: {err}".splitlines()[0]
-            continue
-        results.append(simulate_synchronous(name, order, cost, flushes))
     baseline = next(r.step_time for r in results if r.name == "1F1B")
     best = min(r.step_time for r in results if r.name not in STREAMING_SCHEDULES)
     return [Comparison(r, baseline / r.step_time, best / r.step_time) for r in results], skipped

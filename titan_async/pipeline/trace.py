@@ -110,6 +110,30 @@ class Timeline:
         path.write_text(json.dumps({"traceEvents": events}))
 
 
+def trace_torch_stages(stages: list, timeline: Timeline) -> None:
+    """Record the compute actions torch's schedules run on `stages` (PipelineStage objects) on
+    `timeline`, named like the streaming executor's: `<stage>F<k>`, `<stage>B<k>` for a full
+    backward, `<stage>I<k>` and `<stage>W<k>` for a split one, k the microbatch of the flush."""
+
+    def timed(method, stage: int, kind):
+        def traced(chunk: int, *args, **kwargs):
+            letter = kind(args, kwargs) if callable(kind) else kind
+            with timeline.action(f"{stage}{letter}{chunk}"):
+                return method(chunk, *args, **kwargs)
+
+        return traced
+
+    def backward_kind(args, kwargs) -> str:
+        full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+        return "B" if full else "I"
+
+    for stage in stages:
+        s = stage.stage_index
+        stage.forward_one_chunk = timed(stage.forward_one_chunk, s, "F")
+        stage.backward_one_chunk = timed(stage.backward_one_chunk, s, backward_kind)
+        stage.backward_weight_one_chunk = timed(stage.backward_weight_one_chunk, s, "W")
+
+
 def merge_traces(paths: list[Path], output: Path) -> list[dict]:
     """Merge per-rank trace files into one Chrome trace; returns the events."""
     events = [e for p in sorted(paths) for e in json.loads(p.read_text())["traceEvents"]]
@@ -117,30 +141,38 @@ def merge_traces(paths: list[Path], output: Path) -> list[dict]:
     return events
 
 
+GANTT_COLOURS = {"F": "tab:blue", "B": "tab:green", "I": "limegreen", "W": "tab:olive", "O": "tab:red", "H": "lightgray"}
+"""Action letter -> colour: forwards, backwards (split: input, weight gradients), optimizer steps, host work."""
+
+
 def draw_gantt(events: list[dict], output: Path, title: str) -> None:
-    """PNG Gantt chart: one row per rank, forwards blue, backwards green, optimizer steps red."""
+    """PNG Gantt chart of Chrome trace events (`Timeline.write`): one row per rank."""
+    draw_gantts([(title, events)], output)
+
+
+def draw_gantts(panels: list[tuple[str, list[dict]]], output: Path) -> None:
+    """PNG of one Gantt chart per (title, events) panel, stacked, on a shared time axis in ms from
+    each panel's first event: one row per rank, forwards blue, backwards green (input gradients
+    light green, weight gradients olive), optimizer steps red, host work grey."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {"F": "tab:blue", "B": "tab:green", "O": "tab:red"}
-    origin = min(e["ts"] for e in events)
-    ranks = sorted({e["tid"] for e in events})
-    fig, ax = plt.subplots(figsize=(14, 1 + 0.6 * len(ranks)))
-    for event in events:
-        kind = next((c for c in event["name"] if c in colours), "O")
-        ax.broken_barh(
-            [((event["ts"] - origin) / 1e3, event["dur"] / 1e3)],
-            (event["tid"] - 0.4, 0.8),
-            facecolors=colours[kind],
-            edgecolor="white",
-            linewidth=0.3,
-        )
-    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
-    ax.invert_yaxis()
-    ax.set_xlabel("time (ms)")
-    ax.set_title(title)
+    rows = [len({e["tid"] for e in events}) for _, events in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(14, sum(1 + 0.6 * r for r in rows)), sharex=True, squeeze=False,
+                             gridspec_kw={"height_ratios": rows})
+    for ax, (title, events) in zip(axes[:, 0], panels):
+        origin = min(e["ts"] for e in events)
+        ranks = sorted({e["tid"] for e in events})
+        for event in events:
+            kind = next((c for c in event["name"] if c in GANTT_COLOURS), "O")
+            ax.broken_barh([((event["ts"] - origin) / 1e3, event["dur"] / 1e3)], (event["tid"] - 0.4, 0.8),
+                           facecolors=GANTT_COLOURS[kind], edgecolor="white", linewidth=0.3)
+        ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=9)
+    axes[-1, 0].set_xlabel("time (ms)")
     fig.tight_layout()
     fig.savefig(output, dpi=120)
     plt.close(fig)

@@ -146,7 +146,8 @@ class RunMetrics(MetricsProcessor):
     @dataclass(kw_only=True, slots=True)
     class Config(MetricsProcessor.Config):
         pipeline_trace: bool = False
-        """Record every pipeline action's start and end (streaming schedules): trace JSON and a Gantt PNG."""
+        """Record every pipeline action's start and end (every pipeline schedule): trace JSON, a Gantt PNG and each
+        rank's measured bubble per step."""
         wandb_project: str = "titan-async"
         """The W&B project of `enable_wandb`."""
         wandb_entity: str | None = None

@@ -45,7 +45,7 @@ from titan_async.pipeline.executor import Microbatch, StageExecutor
 from titan_async.pipeline.load_balance import DelayedLoadBalance, StageLoadBalance, moe_blocks, versioned_tensors
 from titan_async.pipeline.schedules import StreamingSchedule
 from titan_async.pipeline.stream import StreamEngine
-from titan_async.pipeline.trace import Timeline
+from titan_async.pipeline.trace import Timeline, trace_torch_stages
 from titan_async.pipeline.transport import LocalTransport
 from titan_async.pipeline.versions import LocalAccumulation, OneStepDelay, TwoVersions, make_policy, two_versions
 from titan_async.train.benchmarks import EvalSection, PeriodicBenchmarks
@@ -194,6 +194,7 @@ class AsyncTrainer(Trainer):
         self.balances: dict[int, StageLoadBalance] = {}
         self.delayed_balance: DelayedLoadBalance | None = None
         policies = self._attach_weight_policies()
+        self._trace_torch_schedule()
         self._balance_expert_load(policies)
         paci = any(isinstance(policy, LocalAccumulation) for policy, _ in policies.values())
         if paci and isinstance(config.activation_checkpoint, FullAC.Config):
@@ -266,6 +267,15 @@ class AsyncTrainer(Trainer):
             self.delay = two_versions(model, 1, FsdpStage.of(model))
             return {0: (self.delay, _names(model, self.delay))}
         return {}
+
+    def _trace_torch_schedule(self) -> None:
+        """With `metrics.pipeline_trace` under one of torch's schedules: a timeline of this rank's
+        stage actions and optimizer steps, one window per step (trace JSON, Gantt PNG, bubble)."""
+        if self.timeline is not None or not self.config.metrics.pipeline_trace or not self.parallel_dims.pp_enabled:
+            return
+        schedule = self.pp_schedule
+        self.timeline = Timeline(dist.get_rank(), True, self.device)
+        trace_torch_stages(schedule._stages if hasattr(schedule, "_stages") else [schedule._stage], self.timeline)
 
     def _emulate_stages(self) -> dict[int, tuple[Any, list[str]]]:
         """Split the model into stage views in this process, each with its own optimizer,
@@ -361,6 +371,8 @@ class AsyncTrainer(Trainer):
             self._streaming_train_step(data_iterator)
         elif self.delay is not None:
             self._delayed_train_step(data_iterator)
+        elif self.timeline is not None:
+            self._traced_train_step(data_iterator)
         else:
             self._synchronous_train_step(data_iterator, lambda step_optimizer: step_optimizer())
         self.health.end_step()
@@ -391,6 +403,18 @@ class AsyncTrainer(Trainer):
                 raise
         finally:
             del self.optimizers.step
+
+    def _traced_train_step(self, data_iterator) -> None:
+        """torchtitan's step under a traced torch schedule: one timeline window, the optimizer
+        step recorded as `<first local stage>O<step>`."""
+
+        def update(step_optimizer) -> None:
+            with self.timeline.action(f"{self._first_local_stage()}O{self.step}"):
+                step_optimizer()
+
+        self.timeline.start_window()
+        self._synchronous_train_step(data_iterator, update)
+        self.timeline.end_window()
 
     def _first_local_stage(self) -> int:
         """Index of this rank's (first) pipeline stage: interleaved schedules hold several."""
@@ -516,8 +540,9 @@ class AsyncTrainer(Trainer):
             "memory_gib": self.metrics_processor.device_memory_monitor.get_peak_stats().max_reserved_gib,
         }
         self._last_step_end = now
+        if self.timeline is not None:
+            record["bubble"] = self.timeline.last_bubble
         if self.stream is not None:
-            record["bubble"] = self.timeline.last_bubble if self.timeline else None
             record["staleness"] = self._staleness()
             record["weight_versions_gib"] = sum(e.policy.extra_bytes() for e in self.stream.executors) / 2**30
             record["gathered_versions_gib"] = sum(e.policy.gathered_copy_bytes() for e in self.stream.executors) / 2**30

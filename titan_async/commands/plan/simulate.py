@@ -1,5 +1,8 @@
 """`plan --simulate`: every schedule's predicted step time, tokens/s and bubble for a config's
-layout, from `pipeline.simulation` with costs derived from FLOPs at a given MFU.
+layout, from `pipeline.simulation` with costs derived from FLOPs at a given MFU, or measured by
+a traced run of the same pipeline degree (`--costs-from RUN`: `pipeline.simulation.costs_from_trace`,
+collectives and host work included in what it measured); `--gantt` draws each schedule's first
+simulated steps.
 
 Costs per pipeline rank (its stages as the config splits them; a schedule with v stages per
 rank gives each 1/v):
@@ -21,19 +24,23 @@ rank gives each 1/v):
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from titan_async.commands.plan.estimate import Cluster, Layout
 from titan_async.commands.plan.memory import Setup, StageShape, fsdp_traffic_bytes, reductions_per_step
-from titan_async.config.run_config import RunConfig
+from titan_async.config.run_config import RunConfig, load_run_config
 from titan_async.core.errors import UserError
 from titan_async.optim.muon_cost import stage_costs
 from titan_async.optim.routing import route_parameters
-from titan_async.pipeline.schedules import SCHEDULE_NAMES, STREAMING_SCHEDULES
-from titan_async.pipeline.simulation import Costs, Link, compare
+from titan_async.pipeline.config import accumulation_steps, microbatches
+from titan_async.pipeline.schedules import SCHEDULE_NAMES, STREAMING_SCHEDULES, streaming_schedule
+from titan_async.pipeline.simulation import Costs, Link, compare, costs_from_trace
+from titan_async.pipeline.trace import draw_gantts
 
 HBM_BYTES_PER_S = 3.35e12
 """H100 SXM memory bandwidth, for the optimizer's element-wise passes."""
@@ -45,12 +52,15 @@ INTER_NODE_LATENCY = 10e-6
 
 @dataclass(frozen=True)
 class SimulationOptions:
-    """The hardware `plan --simulate` assumes."""
+    """The hardware `plan --simulate` assumes (or the run whose trace gives the costs), and where
+it draws the Gantt charts."""
 
     mfu: float = 0.4
     peak_tflops: float = 989.0
     intra_node_gbps: float = 450.0
     inter_node_gbps: float = 50.0
+    costs_from: Path | None = None
+    gantt: Path | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.mfu <= 1:
@@ -100,6 +110,25 @@ def rank_costs(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes: l
     )
 
 
+def traced_costs(directory: Path, layout: Layout) -> Costs:
+    """The costs a run directory's pipeline trace measured (its `config.toml` and `launch.json`
+    say how many microbatches a step had); UserError in one line without a trace or when its
+    pipeline degree is not the plan's."""
+    trace = directory / "pipeline" / "trace.json"
+    if not trace.is_file():
+        raise UserError(f"--costs-from {directory}: no pipeline/trace.json there (train with --set metrics.pipeline_trace=true)")
+    traced = load_run_config(directory / "config.toml")
+    p = traced.parallelism
+    if p.pipeline_parallel_degree != layout.pp:
+        raise UserError(f"--costs-from {directory}: the run has parallelism.pipeline_parallel_degree = "
+                        f"{p.pipeline_parallel_degree}, the plan {layout.pp}; simulate a trace of the same degree")
+    world = json.loads((directory / "launch.json").read_text())["world_size"]
+    flushes = accumulation_steps(traced.training, traced.data_parallel_degree(world))
+    events = json.loads(trace.read_text())["traceEvents"]
+    return costs_from_trace(events, microbatches(traced.training, p) * flushes,
+                            not streaming_schedule(p.pipeline_parallel_schedule), flushes)
+
+
 def collective_seconds(name: str, layout: Layout, shapes: list[StageShape], setup: Setup, cluster: Cluster,
                        options: SimulationOptions, accumulation: int | None) -> float:
     """Seconds of FSDP and replica collectives per optimizer step of the busiest pipeline rank
@@ -125,11 +154,18 @@ def simulate_plan(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes
     ratios, the schedules torch could not build, and the assumptions in words."""
     if layout.pp < 2:
         raise UserError(f"{run.source}: --simulate needs parallelism.pipeline_parallel_degree >= 2")
-    costs = rank_costs(run, layout, model, shapes, setup, cluster, options)
     accumulation = run.parallelism.paci.accumulation
-    collectives = {name: collective_seconds(name, layout, shapes, setup, cluster, options, accumulation) for name in SCHEDULE_NAMES}
+    if options.costs_from:
+        costs = traced_costs(options.costs_from, layout)
+        collectives = dict.fromkeys(SCHEDULE_NAMES, 0.0)
+    else:
+        costs = rank_costs(run, layout, model, shapes, setup, cluster, options)
+        collectives = {name: collective_seconds(name, layout, shapes, setup, cluster, options, accumulation) for name in SCHEDULE_NAMES}
     rows, skipped = compare(layout.pp, layout.microbatches, costs, flushes=layout.accumulation_steps, accumulation=accumulation,
                             costs_of=lambda name: replace(costs, collective=collectives[name]))
+    if options.gantt:
+        draw_gantts([(f"{row.result.name}: {row.result.step_time * 1e3:,.1f} ms per step (simulated)",
+                      first_steps(row.result.events, row.result.step_time, 3)) for row in rows], options.gantt)
     schedules = [{
         "name": row.result.name,
         "step_seconds": row.result.step_time,
@@ -141,10 +177,33 @@ def simulate_plan(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes
         "streaming": row.result.name in STREAMING_SCHEDULES,
         "selected": row.result.name.lower() == layout.schedule.lower(),
     } for row in rows]
+    assumptions = traced_assumptions(options.costs_from, costs) if options.costs_from else flop_assumptions(options, costs, collectives)
+    return {"schedules": schedules, "skipped": skipped, "costs": asdict(costs), "assumptions": assumptions}
+
+
+def first_steps(events: tuple[dict, ...], step_time: float, steps: int) -> list[dict]:
+    """The events that start within the first `steps` step times of the first one."""
+    origin = min(e["ts"] for e in events)
+    return [e for e in events if e["ts"] < origin + steps * step_time * 1e6]
+
+
+def traced_assumptions(directory: Path, costs: Costs) -> list[str]:
+    return [
+        f"costs measured by {directory}/pipeline/trace.json: per microbatch and pipeline rank, forward "
+        f"{_ms(costs.forward)} ms, backward {_ms(costs.backward)} ms (medians); optimizer step {_ms(costs.optimizer)} ms; "
+        f"host work {_ms(costs.host)} ms per step; a message takes {costs.intra_node.latency * 1e3:.2f} ms",
+        "collectives, kernels and host work as that run had them (its layout, microbatch size and machine); a schedule "
+        "with another number of stages than the traced run splits each rank's costs evenly over its stages",
+        "synchronous schedules: every rank waits for the slowest, then steps; streaming: each stage steps on its own; "
+        "steady state (later steps measured)",
+    ]
+
+
+def flop_assumptions(options: SimulationOptions, costs: Costs, collectives: dict[str, float]) -> list[str]:
     link = (f"links: intra-node {options.intra_node_gbps:g} GB/s + {INTRA_NODE_LATENCY * 1e6:g} us, inter-node "
             f"{options.inter_node_gbps:g} GB/s + {INTER_NODE_LATENCY * 1e6:g} us; a message is "
             f"{costs.message_bytes / 1e6:.1f} MB (one microbatch's stage-boundary tensor)")
-    assumptions = [
+    return [
         f"compute at MFU {options.mfu:g} of {options.peak_tflops:g} TFLOP/s per GPU: 6 x matmul weights x tokens + "
         "causal attention, forward:backward 1:2 (a split backward: I and W half each), full recomputation adds a forward, "
         "selective is not counted; TP collectives are inside the MFU",
@@ -158,7 +217,6 @@ def simulate_plan(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes
         "(2BW every window, PACI every `accumulation` backwards); interleaved and V-shaped schedules: 2 stages per rank, "
         "half the rank's costs each; steady state (later steps measured); links without contention",
     ]
-    return {"schedules": schedules, "skipped": skipped, "costs": asdict(costs), "assumptions": assumptions}
 
 
 def _ms(values: tuple[float, ...]) -> str:
