@@ -273,9 +273,8 @@ class AsyncTrainer(Trainer):
         stage actions and optimizer steps, one window per step (trace JSON, Gantt PNG, bubble)."""
         if self.timeline is not None or not self.config.metrics.pipeline_trace or not self.parallel_dims.pp_enabled:
             return
-        schedule = self.pp_schedule
         self.timeline = Timeline(dist.get_rank(), True, self.device)
-        trace_torch_stages(schedule._stages if hasattr(schedule, "_stages") else [schedule._stage], self.timeline)
+        trace_torch_stages(self._local_stages(), self.timeline)
 
     def _emulate_stages(self) -> dict[int, tuple[Any, list[str]]]:
         """Split the model into stage views in this process, each with its own optimizer,
@@ -416,10 +415,13 @@ class AsyncTrainer(Trainer):
         self._synchronous_train_step(data_iterator, update)
         self.timeline.end_window()
 
-    def _first_local_stage(self) -> int:
-        """Index of this rank's (first) pipeline stage: interleaved schedules hold several."""
+    def _local_stages(self) -> list:
+        """This rank's pipeline stages under torch's schedule: interleaved schedules hold several."""
         schedule = self.pp_schedule
-        return (schedule._stages if hasattr(schedule, "_stages") else [schedule._stage])[0].stage_index
+        return schedule._stages if hasattr(schedule, "_stages") else [schedule._stage]
+
+    def _first_local_stage(self) -> int:
+        return self._local_stages()[0].stage_index
 
     def _delayed_train_step(self, data_iterator) -> None:
         """One step of W[k+1] = W[k] - Opt(grad f_k(W[k-1])): torchtitan's step with the
