@@ -187,17 +187,18 @@ def test_paci_moe_with_expert_parallel_and_clipping_equals_its_emulation(ep_paci
     assert_all_to_all_in_the_log(pipelined)
 
 
-def test_plan_predicts_the_all_to_all_bytes_the_expert_parallel_run_sent(ep_2bw, capsys):
+def test_plan_predicts_the_all_to_all_bytes_the_expert_parallel_run_sent(ep_paci, capsys):
     """plan's all-to-all bytes per step and rank (the routed copies sent to the other EP rank,
     (ep - 1) / ep of them under balanced routing) against the run's communication log: over a
     stage's two ranks the dispatches and combines carry every routed copy once each way in the
     forward and the backward, whatever the routing, so their logged inputs sum to exactly
-    ep / (ep - 1) x 2 ranks x steps x the predicted bytes (the token-count exchanges left out)."""
+    ep / (ep - 1) x 2 ranks x steps x the predicted bytes (the token-count exchanges left out).
+    The AdamW run: Muon exchanges its matrix pieces by all-to-all too."""
     from test_fsdp_schedules import EXACT
     from test_schedules import STEPS
-    _, pipelined = ep_2bw
+    _, pipelined = ep_paci
     status, out, err = cli_in_process(capsys, "plan", *PP2_EP2[:2], "--gpus-per-node", "4", "--json",
-                                      *sets(*EXACT, *MOE, *MUON_EF, "parallelism.pipeline_parallel_schedule=PipeDream2BW", *EP2))
+                                      *sets(*EXACT, *MOE, *EP_PACI, *EP2))
     assert status == 0, err
     moe = json.loads(out)["mixture_of_experts"]
     assert moe["expert_parallel"] == 2 and "expert_parallel_degree = 2" in moe["note"]
