@@ -24,7 +24,7 @@ import torch
 import transformers
 
 import nccl_model
-from conftest import CONFIGS, cli_in_process, run_cli, sets
+from conftest import CONFIGS, cli_in_process, metrics, run_cli, sets
 from test_fsdp_schedules import train
 from test_benchmark_eval import OFFLINE, TASK, reference, write_task
 from test_hf_export import export_cli, hf_logits, loaders, titan_model
@@ -37,6 +37,14 @@ MOE = ("model.family=qwen3_moe", "model.num_experts=8", "model.top_k=2", "model.
        "model.load_balance_coeff=0.01", "training.max_norm=1000", "parallelism.pipeline_parallel_microbatch_size=2",
        "validation.enable=false", "training.local_batch_size=8")
 PACI = ("parallelism.pipeline_parallel_schedule=PACI", "parallelism.paci.accumulation=2")
+FSDP2 = ("--config", str(CONFIGS / "debug_cpu_fsdp2.toml"), "--nproc-per-node", "2")
+PP2_EP2 = ("--config", str(CONFIGS / "debug_cpu_pp2_fsdp2.toml"), "--nproc-per-node", "4")
+EP2 = ("parallelism.data_parallel_shard_degree=2", "parallelism.expert_parallel_degree=2")
+MUON_EF = ("optimizer.name=muon", "optimizer.lr=0.02", "optimizer.error_feedback.enabled=true")
+# PACI under EP clips (stage gradient norms are about 0.5) at a learning rate where top-k routing
+# stays put over the run (at 3e-3 rounding flips a token to another expert by step 4, also
+# without EP: see test_paci_moe_with_expert_parallel_and_clipping_equals_its_emulation).
+EP_PACI = (*PACI, "training.max_norm=0.5", "optimizer.lr=1e-3")
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +60,25 @@ def paci(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_paci")
     emulated = train(root / "emulated", *MOE, *PACI, "parallelism.emulated_stages=2", layout=ONE_PROCESS)
     return emulated, train(root / "paci", *MOE, *PACI, layout=PP2)
+
+
+@pytest.fixture(scope="module")
+def ep_2bw(tmp_path_factory):
+    """(delayed reference on FSDP 2, PP 2 x EP 2 PipeDream2BW run), Muon + error feedback. The
+    reference has no pipeline and no expert parallelism: each of its 2 data ranks routes and
+    runs every expert on its own tokens."""
+    root = tmp_path_factory.mktemp("moe_ep_2bw")
+    reference = train(root / "delay", *MOE, *MUON_EF, "training.gradient_delay=1", "training.local_batch_size=2",
+                      "training.global_batch_size=16", layout=FSDP2)
+    return reference, train(root / "2bw", *MOE, *MUON_EF, "parallelism.pipeline_parallel_schedule=PipeDream2BW", *EP2, layout=PP2_EP2)
+
+
+@pytest.fixture(scope="module")
+def ep_paci(tmp_path_factory):
+    """(single-process-per-data-rank emulation on FSDP 2, PP 2 x EP 2 PACI run), AdamW, clipping."""
+    root = tmp_path_factory.mktemp("moe_ep_paci")
+    emulated = train(root / "emulated", *MOE, *EP_PACI, "parallelism.emulated_stages=2", layout=FSDP2)
+    return emulated, train(root / "paci", *MOE, *EP_PACI, *EP2, layout=PP2_EP2)
 
 
 def expert_biases(run) -> dict:
@@ -94,6 +121,102 @@ def test_2bw_moe_with_fsdp_equals_the_delayed_reference(tmp_path):
     nccl_model.assert_nccl_safe(pipelined / "comm", stages=2, ranks_per_stage=2)
 
 
+def assert_experts_close(result: dict, reference: dict, rel: float) -> None:
+    """Each expert's matrices within `rel` (norm of the difference over the reference's norm)."""
+    stacks = [key for key in reference if ".inner_experts." in key]
+    assert len(stacks) == 12
+    for key in stacks:
+        for expert, matrix in enumerate(reference[key]):
+            difference = (result[key][expert] - matrix).norm() / matrix.norm()
+            assert difference < rel, (key, expert, float(difference))
+
+
+def assert_all_to_all_in_the_log(run) -> None:
+    """Every rank issued the token all-to-alls (counts, dispatch, combine, forward and backward)
+    on a group of its stage's two ranks, and the NCCL model completes the whole log."""
+    logs = nccl_model.read_logs(run / "comm")
+    for rank, records in logs.items():
+        groups = {r["group"]: r["ranks"] for r in records if r["op"] == "group"}
+        pair = [rank - rank % 2, rank - rank % 2 + 1]
+        exchanges = [r for r in records if r.get("kind") == "all_to_all_single"]
+        assert exchanges and all(sorted(groups[r["group"]]) == pair for r in exchanges), rank
+    nccl_model.assert_nccl_safe(run / "comm", stages=2, ranks_per_stage=2)
+
+
+def test_2bw_moe_with_expert_parallel_and_muon_equals_the_delayed_reference(ep_2bw):
+    """PP 2 x EP 2 (4 processes; each stage's 2 data ranks hold 4 of the 8 experts and exchange
+    tokens by all-to-all) against the delayed reference on FSDP 2: losses within 1e-5 (measured
+    3e-6), expert biases equal, weights close. EP changes only float rounding: torchtitan's
+    experts multiply in bfloat16, so the weight gradient of an expert is rounded once over both
+    ranks' tokens instead of once per rank, and Muon's Newton-Schulz amplifies the difference in
+    the directions the gradient barely spans (measured: dense weights 1.4e-3, expert matrices up
+    to 6.9e-2, where the last three steps moved them by 25-44%). That each expert's own matrix
+    is orthogonalised in this layout is checked exactly in tests/test_muon.py."""
+    reference, pipelined = ep_2bw
+    assert_same_run(reference, pipelined)
+    biases = expert_biases(reference)
+    assert biases.keys() == expert_biases(pipelined).keys() and all(bias.abs().max() > 0 for bias in biases.values())
+    assert all(torch.equal(bias, biases[key]) for key, bias in expert_biases(pipelined).items())
+    result, expected = final_weights(pipelined), final_weights(reference)
+    dense = [key for key in expected if ".inner_experts." not in key]
+    assert_close_weights({k: result[k] for k in dense}, {k: expected[k] for k in dense}, rel=1e-2)
+    assert_experts_close(result, expected, rel=0.15)
+    assert_all_to_all_in_the_log(pipelined)
+
+
+def test_paci_moe_with_expert_parallel_and_clipping_equals_its_emulation(ep_paci):
+    """PP 2 x EP 2 PACI against its emulation on FSDP 2 (no pipeline, no EP), with every stage
+    clipping its gradient: the logged norm (the last stage's, its experts' part reduced over
+    the EP ranks) equals the emulation's, biases equal, losses within 3e-5. Not 1e-5: a PACI
+    run on data ranks takes 12 local AdamW steps here, and float rounding (FSDP's sums, the
+    bfloat16 expert gradients above) grows to 1.4e-5 by step 5 (measured; PP 2 x FSDP 2 without
+    EP deviates from the emulation by 5e-5 at lr 3e-3 through a routing change)."""
+    emulated, pipelined = ep_paci
+    assert_same_run(emulated, pipelined, rel=3e-5)
+    first, second = metrics(emulated), metrics(pipelined)
+    assert sum(first[step]["grad_norm"] > 0.5 for step in first) >= 4  # the last stage clips at most steps (measured 4 of 6)
+    for step in first:
+        assert second[step]["grad_norm"] == pytest.approx(first[step]["grad_norm"], rel=1e-3), step
+    biases = expert_biases(emulated)
+    assert all(bias.abs().max() > 0 for bias in biases.values())
+    assert all(torch.equal(bias, biases[key]) for key, bias in expert_biases(pipelined).items())
+    result, expected = final_weights(pipelined), final_weights(emulated)
+    dense = [key for key in expected if ".inner_experts." not in key]
+    assert_close_weights({k: result[k] for k in dense}, {k: expected[k] for k in dense}, rel=2e-2)
+    assert_experts_close(result, expected, rel=5e-2)
+    assert_all_to_all_in_the_log(pipelined)
+
+
+def test_plan_predicts_the_all_to_all_bytes_the_expert_parallel_run_sent(ep_paci, capsys):
+    """plan's all-to-all bytes per step and rank (the routed copies sent to the other EP rank,
+    (ep - 1) / ep of them under balanced routing) against the run's communication log: over a
+    stage's two ranks the dispatches and combines carry every routed copy once each way in the
+    forward and the backward, whatever the routing, so their logged inputs sum to exactly
+    ep / (ep - 1) x 2 ranks x steps x the predicted bytes (the token-count exchanges left out).
+    The AdamW run: Muon exchanges its matrix pieces by all-to-all too."""
+    from test_fsdp_schedules import EXACT
+    from test_schedules import STEPS
+    _, pipelined = ep_paci
+    status, out, err = cli_in_process(capsys, "plan", *PP2_EP2[:2], "--gpus-per-node", "4", "--json",
+                                      *sets(*EXACT, *MOE, *EP_PACI, *EP2))
+    assert status == 0, err
+    moe = json.loads(out)["mixture_of_experts"]
+    assert moe["expert_parallel"] == 2 and "expert_parallel_degree = 2" in moe["note"]
+    logs = nccl_model.read_logs(pipelined / "comm")
+    counts_bytes = 8 * 8  # num_experts int64 counts
+    for stage, rank in enumerate(moe["ranks"]):
+        logged = sum(r["bytes"] for rank_id in (2 * stage, 2 * stage + 1) for r in logs[rank_id]
+                     if r.get("kind") == "all_to_all_single" and r["bytes"] != counts_bytes)
+        assert rank["all_to_all_bytes"] > 0 and logged == 2 * 2 * STEPS * rank["all_to_all_bytes"], (stage, logged, rank)
+
+
+@pytest.mark.parametrize("runs", ["ep_2bw", "ep_paci"])
+def test_expert_parallel_streaming_run_resumes_exactly(runs, request, tmp_path):
+    """Both 2BW versions of the EP-sharded experts and of the biases, Muon's momenta and error
+    feedback (2BW), PACI's pending counts and AdamW state."""
+    assert_resumes_exactly(request.getfixturevalue(runs)[1], tmp_path / "resumed")
+
+
 @pytest.mark.parametrize("runs", ["two_bw", "paci"])
 def test_moe_streaming_run_resumes_exactly(runs, request, tmp_path):
     """Both 2BW versions of the weights and biases, PACI's pending counts, optimizer state."""
@@ -101,8 +224,13 @@ def test_moe_streaming_run_resumes_exactly(runs, request, tmp_path):
 
 
 @pytest.mark.parametrize("processes, assignments, named", [
-    ("4", ["parallelism.data_parallel_shard_degree=2", "parallelism.expert_parallel_degree=2"],
-     "parallelism.expert_parallel_degree is 2, set it to 1"),
+    ("4", ["parallelism.data_parallel_shard_degree=2", "parallelism.expert_parallel_degree=3"],
+     "parallelism.expert_parallel_degree (3) must divide model.num_experts (8)"),
+    ("4", ["parallelism.data_parallel_shard_degree=2", "parallelism.expert_parallel_degree=4"],
+     "parallelism.expert_parallel_degree (4) must divide the data ranks of a stage"),
+    ("4", ["parallelism.data_parallel_shard_degree=2", "parallelism.expert_parallel_degree=2", "model.family=llama3",
+           "model.num_experts=-1", "model.top_k=-1", "model.moe_hidden_dim=-1"],
+     "parallelism.expert_parallel_degree (2) applies to model.family = \"qwen3_moe\" only"),
     ("4", ["parallelism.tensor_parallel_degree=2"], "parallelism.tensor_parallel_degree is 2, set it to 1"),
     ("2", ["model.top_k=9"], "model.top_k (9) must be between 1 and model.num_experts (8)"),
 ])

@@ -359,14 +359,21 @@ def _tensor_parallel_worker(rank: int, init_file: str) -> None:
                 expected = distribute_tensor(hand_written_muon_update(full_gradient), mesh, placements).to_local()
                 torch.testing.assert_close(-param.to_local(), expected, atol=2e-5, rtol=0, msg=f"{name} {shape} rank {rank}")
                 assert torch.allclose(-param.full_tensor(), hand_written_muon_update(full_gradient), atol=2e-5), (name, shape)
-        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("efsdp",))
-        experts = torch.randn((8, 12, 16), generator=generator)
-        param = nn.Parameter(distribute_tensor(torch.zeros(experts.shape), mesh, [Shard(0)]))
-        param.grad = distribute_tensor(experts, mesh, [Shard(0)])
-        Muon([{"params": [param], "param_names": ["w1_EFD"]}], lr=1.0, momentum=0.0, nesterov=False, ns_dtype="float32",
-             blocks={"w1_EFD": ExpertBlocks(8)}).step()
-        expected = torch.stack([hand_written_muon_update(matrix) for matrix in experts])
-        torch.testing.assert_close(-param.full_tensor(), expected, atol=2e-5, rtol=0, msg=f"experts sharded by expert, rank {rank}")
+        expert_layouts = {  # FSDP alone, and expert parallelism's (efsdp, ep) meshes (torchtitan's EP layout)
+            "fsdp": ((4,), ("efsdp",), [Shard(0)]),
+            "ep 4": ((1, 4), ("efsdp", "ep"), [Shard(0), Shard(0)]),
+            "efsdp 2 x ep 2": ((2, 2), ("efsdp", "ep"), [_StridedShard(0, split_factor=2), Shard(0)]),
+        }
+        for name, (mesh_shape, dims, placements) in expert_layouts.items():
+            mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=dims)
+            experts = torch.randn((8, 12, 16), generator=generator)
+            param = nn.Parameter(distribute_tensor(torch.zeros(experts.shape), mesh, placements))
+            param.grad = distribute_tensor(experts, mesh, placements)
+            Muon([{"params": [param], "param_names": ["w1_EFD"]}], lr=1.0, momentum=0.0, nesterov=False, ns_dtype="float32",
+                 blocks={"w1_EFD": ExpertBlocks(8)}).step()
+            expected = torch.stack([hand_written_muon_update(matrix) for matrix in experts])
+            torch.testing.assert_close(-param.full_tensor(), expected, atol=2e-5, rtol=0,
+                                       msg=f"experts sharded by expert ({name}), rank {rank}")
     finally:
         dist.destroy_process_group()
 
@@ -374,7 +381,8 @@ def _tensor_parallel_worker(rank: int, init_file: str) -> None:
 def test_muon_updates_tensor_parallel_weights_from_their_full_matrix(tmp_path):
     """4 processes: TP 4 (column- and row-sharded weights), FSDP 2 x TP 2 (the _StridedShard
     layout FSDP2 gives a column-parallel weight) and a stack of expert matrices sharded by
-    expert, against a Newton-Schulz written here (per expert for the stack)."""
+    expert (FSDP, and expert parallelism's efsdp x ep layouts), against a Newton-Schulz written
+    here (per expert for the stack)."""
     mp.spawn(_tensor_parallel_worker, args=(str(tmp_path / "init"),), nprocs=4)
 
 

@@ -134,11 +134,25 @@ def test_text_output_has_the_expert_column_the_moe_table_and_the_all_to_all_line
         assert text in out
 
 
-@pytest.mark.parametrize("key", ["expert_parallel_degree", "tensor_parallel_degree"])
-def test_expert_and_tensor_parallel_moe_is_refused_in_one_line_naming_the_key(key, capsys):
-    """1F1B trains MoE with EP (torchtitan), but plan does not estimate it yet: one line, status 2."""
-    code, _, err = plan(capsys, "--config", "debug_cpu", "--gpus-per-node", "2", *sets(*MOE, f"parallelism.{key}=2"))
-    assert code == 2 and len(err.strip().splitlines()) == 1 and f"parallelism.{key} = 2" in err
+def test_tensor_parallel_moe_is_refused_in_one_line_naming_the_key(capsys):
+    """plan does not estimate TP with MoE yet: one line, status 2."""
+    code, _, err = plan(capsys, "--config", "debug_cpu", "--gpus-per-node", "2", *sets(*MOE, "parallelism.tensor_parallel_degree=2"))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "parallelism.tensor_parallel_degree = 2" in err
+
+
+def test_expert_parallel_moe_reports_its_all_to_all_bytes(capsys):
+    """EP 2 on PP 2 x FSDP 2: dim 256, microbatches of 2 x 256 tokens, top-2, 3 blocks per rank,
+    float32, 4 microbatches: 3 x 4 x 4 passes x (512 x 2 x 256 x 4 bytes) x 1/2 (the text output's line and column too)."""
+    code, out, err = plan(capsys, "--config", "debug_cpu_pp2_fsdp2", "--gpus-per-node", "4", "--json",
+                          *sets(*MOE, *TWO_BW_MUON_EF, "parallelism.expert_parallel_degree=2"))
+    assert code == 0, err
+    moe = json.loads(out)["mixture_of_experts"]
+    expected = 3 * 4 * 4 * (512 * 2 * 256 * 4) // 2
+    assert moe["expert_parallel"] == 2 and moe["all_to_all_bytes"] == expected
+    assert [r["all_to_all_bytes"] for r in moe["ranks"]] == [expected, expected]
+    code, out, err = plan(capsys, "--config", "debug_cpu_pp2_fsdp2", "--gpus-per-node", "4",
+                          *sets(*MOE, *TWO_BW_MUON_EF, "parallelism.expert_parallel_degree=2"))
+    assert code == 0 and "all-to-all/step" in out and f"all-to-all: {expected / 1e9:.3f} GB per step" in out
 
 
 def test_simulate_refuses_moe_in_one_line(capsys):

@@ -16,6 +16,7 @@ from titan_async.core.errors import UserError
 from titan_async.data.sources import prepare
 from titan_async.model.hf_weights import check_hf_weights
 from titan_async.model.llama import build_model_spec
+from titan_async.parallel.expert import with_expert_parallel_backend
 from titan_async.pipeline.schedules import register as register_schedules, streaming_schedule
 from titan_async.pipeline.split import split_stages
 from titan_async.train.trainer import AsyncTrainer
@@ -118,7 +119,7 @@ def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncT
             optimizer=run.optimizer.container_config(),
             lr_scheduler=run.lr_scheduler,
             training=run.training,
-            parallelism=run.parallelism,
+            parallelism=with_expert_parallel_backend(run.parallelism),
             checkpoint=run.checkpoint,
             metrics=run.metrics,
             activation_checkpoint=activation_checkpoint() if activation_checkpoint else None,

@@ -18,6 +18,7 @@ from titan_async.core.errors import UserError
 from titan_async.data.sources import DataSection
 from titan_async.model.llama import ModelSection
 from titan_async.optim.lr_schedule import RunLRSchedulers
+from titan_async.parallel.expert import expert_parallel_problem
 from titan_async.optim.section import OptimizerSection
 from titan_async.pipeline.config import (
     DelayTraining, PipelineParallelism, check_activation_checkpoint, check_pipeline, microbatches,
@@ -141,7 +142,7 @@ class RunConfig:
             )
         self._check_tensor_parallel()
         dp = self.data_parallel_degree(world_size)
-        self._check_mixture_of_experts()
+        self._check_mixture_of_experts(world_size)
         problem = check_pipeline(t, p, dp, self.microbatches())
         problem = problem or check_activation_checkpoint(p, self.activation_checkpoint.mode)
         problem = problem or self.eval.check(self.checkpoint, self.model)
@@ -188,9 +189,19 @@ class RunConfig:
                 f"set parallelism.tensor_parallel_degree = 1 (got {tp})"
             )
 
-    def _check_mixture_of_experts(self) -> None:
-        """UserError for the MoE layouts the weight-version schedules do not run yet."""
+    def _check_mixture_of_experts(self, world_size: int) -> None:
+        """UserError for an expert-parallel degree that cannot lay out the experts, and for the
+        MoE layouts the weight-version schedules do not run yet."""
         p = self.parallelism
+        if p.expert_parallel_degree != 1:
+            try:
+                experts = self.model.resolved(0)["num_experts"] if self.model.family == "qwen3_moe" else None
+            except ValueError as err:
+                raise UserError(f"{self.source}: {err}") from None
+            shard = self.data_parallel_degree(world_size) // p.data_parallel_replicate_degree
+            problem = expert_parallel_problem(p, self.model.family, experts, shard)
+            if problem:
+                raise UserError(f"{self.source}: {problem}")
         if streaming_schedule(p.pipeline_parallel_schedule):
             versions = p.pipeline_parallel_schedule
         elif self.training.gradient_delay:
@@ -199,13 +210,11 @@ class RunConfig:
             return
         if self.model.family != "qwen3_moe":
             return
-        for key in ("tensor_parallel_degree", "expert_parallel_degree"):
-            degree = getattr(p, key)
-            if degree > 1:
-                raise UserError(
-                    f"{self.source}: model.family = \"qwen3_moe\" with {versions} runs without tensor or expert "
-                    f"parallelism so far; parallelism.{key} is {degree}, set it to 1"
-                )
+        if p.tensor_parallel_degree > 1:
+            raise UserError(
+                f"{self.source}: model.family = \"qwen3_moe\" with {versions} runs without tensor "
+                f"parallelism so far; parallelism.tensor_parallel_degree is {p.tensor_parallel_degree}, set it to 1"
+            )
 
 
 def read_toml(path: Path) -> dict[str, Any]:

@@ -81,10 +81,13 @@ def count_fsdp_traffic(modules: list[torch.nn.Module]) -> FsdpTraffic | None:
     traffic = FsdpTraffic()
     for stage in stages:
         for unit, state in zip(stage.modules, stage.states):  # one module per unit: wrapping twice counts twice
-            if state._fsdp_param_groups:
-                group = state._fsdp_param_groups[0]
-                unit.set_custom_all_gather(_CountedAllGather(group._all_gather_comm, traffic))
-                unit.set_custom_reduce_scatter(_CountedReduceScatter(group._reduce_scatter_comm, traffic))
-                if isinstance(group.mesh_info, DDPMeshInfo) and group.mesh_info.replicate_mesh_size > 1:
-                    unit.set_all_reduce_hook(traffic.count_all_reduce)
+            # Each parameter group of the unit gets its own counted copy of its collectives:
+            # under expert parallelism an MoE block is one unit with two groups (the dense
+            # weights on the data mesh, the experts on the expert-data mesh), where torch's
+            # `set_custom_all_gather` refuses to choose one comm for both.
+            for group in state._fsdp_param_groups:
+                group._all_gather_comm = _CountedAllGather(group._all_gather_comm, traffic)
+                group._reduce_scatter_comm = _CountedReduceScatter(group._reduce_scatter_comm, traffic)
+            if any(isinstance(g.mesh_info, DDPMeshInfo) and g.mesh_info.replicate_mesh_size > 1 for g in state._fsdp_param_groups):
+                unit.set_all_reduce_hook(traffic.count_all_reduce)
     return traffic

@@ -13,9 +13,14 @@ own helpers are seen too) and records, per call:
   record their operation and a wait);
 - `{"op": "group", "group", "ranks"}` once per process group, its global ranks.
 
-Peers are global ranks. Collectives issued through DTensor or functional collectives
-are not seen. The log is what a model of NCCL's ordering rules replays (tests) and
-what communication accounting counts.
+Peers are global ranks. torch 2.15's FSDP2 gathers and reduces through
+`all_gather_single` and `reduce_scatter_single`, which are recorded like the others.
+Functional collectives (`torch.ops._c10d_functional`: what DTensor redistributions and
+expert parallelism's token all-to-alls issue, also from autograd's backward) are recorded
+as blocking collectives of their op's name (`all_to_all_single`, ...): each is waited on
+before anything else the rank issues uses its result, and recording the wait at once is the
+stricter order for the NCCL model. The log is what a model of NCCL's ordering rules replays
+(tests) and what communication accounting counts.
 """
 
 from __future__ import annotations
@@ -34,7 +39,10 @@ _P2P = ("isend", "irecv", "send", "recv")
 _COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
     "broadcast", "barrier", "all_to_all_single", "reduce", "gather", "scatter",
+    "all_gather_single", "reduce_scatter_single",
 )
+# Ops of torch.ops._c10d_functional (tensor in, tensor out; the group by name).
+_FUNCTIONAL = ("all_to_all_single", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 
 
 def _bytes(tensors) -> int:
@@ -155,6 +163,19 @@ def _wrap_collective(log: CommLog, name: str, original):
     return wrapper
 
 
+def _wrap_functional(log: CommLog, name: str, original):
+    """A functional collective op: `original(input, ..., group_name)` returns the output tensor."""
+
+    def wrapper(*args, **kwargs):
+        if log.nested():
+            return original(*args, **kwargs)
+        group = c10d._resolve_process_group(kwargs.get("group_name", args[-1]))
+        record = {"op": "coll", "kind": name, "group": log.group(group), "bytes": _bytes(args[0])}
+        return log.call(record, True, original, *args, **kwargs)
+
+    return wrapper
+
+
 _installed: CommLog | None = None
 
 
@@ -174,6 +195,10 @@ def install(directory: Path, rank: int) -> CommLog:
             wrapped = _wrap_collective(log, name, original)
         setattr(c10d, name, wrapped)
         setattr(dist, name, wrapped)
+    functional = torch.ops._c10d_functional
+    for name in _FUNCTIONAL:
+        # Python callers look the op up on the namespace at each call.
+        setattr(functional, name, _wrap_functional(log, name, getattr(functional, name)))
     _installed = log
     return log
 

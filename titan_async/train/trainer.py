@@ -345,7 +345,8 @@ class AsyncTrainer(Trainer):
         on_device = all(skips_on_device(optimizer) for optimizer in optimizers)
         found_inf = self.health.found_nonfinite(self.step, stage, params, group=self.stage_group) if on_device else None
         if on_device or self.health.allow_update(self.step, stage, params, group=self.stage_group):
-            self.stage_grad_norms[stage] = dist_utils.clip_grad_norm_(params, self.config.training.max_norm, foreach=True)
+            self.stage_grad_norms[stage] = dist_utils.clip_grad_norm_(
+                params, self.config.training.max_norm, foreach=True, ep_enabled=self.parallel_dims.ep_enabled)
             for optimizer in optimizers:
                 optimizer.found_inf = found_inf
                 optimizer.step()

@@ -37,6 +37,7 @@ def _single_process(run: RunConfig) -> RunConfig:
         data_parallel_replicate_degree=1,
         tensor_parallel_degree=1,
         context_parallel_degree=1,
+        expert_parallel_degree=1,
     )
     metrics = dataclasses.replace(run.metrics, enable_tensorboard=False)
     return dataclasses.replace(run, parallelism=parallelism, metrics=metrics)

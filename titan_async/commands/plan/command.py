@@ -120,16 +120,16 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True, simulation: Si
 
 def _check_mixture_of_experts(run: RunConfig, simulation: SimulationOptions | None) -> None:
     """UserError, one line naming the key, for what `plan` does not estimate for MoE models yet:
-    expert and tensor parallelism (the streaming schedules refuse both too) and --simulate."""
+    tensor parallelism (the streaming schedules refuse it too) and --simulate. Expert
+    parallelism is estimated (its all-to-all bytes; `estimate.all_to_all_bytes`)."""
     if run.model.family != "qwen3_moe":
         return
     p = run.parallelism
-    for key in ("expert_parallel_degree", "tensor_parallel_degree"):
-        if getattr(p, key) > 1:
-            raise UserError(
-                f"{run.source}: parallelism.{key} = {getattr(p, key)}: plan estimates model.family = \"qwen3_moe\" "
-                "without expert or tensor parallelism so far (experts sharded by FSDP); set it to 1"
-            )
+    if p.tensor_parallel_degree > 1:
+        raise UserError(
+            f"{run.source}: parallelism.tensor_parallel_degree = {p.tensor_parallel_degree}: plan estimates "
+            "model.family = \"qwen3_moe\" without tensor parallelism so far; set it to 1"
+        )
     if simulation:
         raise UserError(f"{run.source}: model.family = \"qwen3_moe\": plan --simulate does not simulate mixture-of-experts models yet")
 

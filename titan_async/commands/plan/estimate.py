@@ -259,6 +259,7 @@ def make_setup(run: RunConfig, layout: Layout, vocab: int, gpu: bool = True) -> 
         gpu=gpu,
         replicas=layout.replicas,
         **({key: int(s[key]) for key in ("num_experts", "top_k", "moe_hidden_dim")} if moe else {}),
+        **({"ep": p.expert_parallel_degree} if moe else {}),
     )
 
 
@@ -318,17 +319,46 @@ def communication(layout: Layout, shapes: list[StageShape], setup: Setup, accumu
 
 
 ALL_TO_ALL_NOTE = (
-    "all-to-all: 0 bytes per step: with parallelism.expert_parallel_degree = 1 (every layout the streaming schedules "
-    "accept with MoE) each rank gathers its FSDP shards of every expert and routes its own tokens locally"
+    "all-to-all: 0 bytes per step: with parallelism.expert_parallel_degree = 1 each rank gathers its FSDP shards "
+    "of every expert and routes its own tokens locally"
 )
+
+
+def all_to_all_bytes(stages: list[StageShape], setup: Setup, microbatches: int) -> int:
+    """Bytes one rank sends (and, in expectation, receives) by expert parallelism's token
+    all-to-alls per optimizer step: per MoE block and microbatch, the dispatch and the combine
+    in the forward and both again (reversed) in the backward, and once more in a full
+    recomputation; each carries the top_k routed copies of the rank's tokens (dim values in
+    the compute dtype), of which (ep - 1) / ep go to other ranks under balanced routing (what
+    load balancing aims at). The per-expert token counts exchanged before each dispatch
+    (num_experts integers) are left out."""
+    if setup.ep <= 1:
+        return 0
+    passes = 4 + (2 if setup.activation_checkpoint == "full" else 0)
+    blocks = sum(s.layers for s in stages)
+    routed = setup.tokens * setup.top_k * setup.dim * setup.compute_bytes
+    return round(blocks * microbatches * passes * routed * (setup.ep - 1) / setup.ep)
+
+
+def _all_to_all_note(setup: Setup, busiest: int) -> str:
+    if setup.ep <= 1:
+        return ALL_TO_ALL_NOTE
+    return (
+        f"all-to-all: {busiest / 1e9:.3f} GB per step sent by the busiest rank (as much received), "
+        f"parallelism.expert_parallel_degree = {setup.ep}: per MoE block and microbatch, the token dispatch and "
+        "combine in the forward and again in the backward (and in a full recomputation), each the top_k routed "
+        f"copies of the rank's tokens, (ep - 1) / ep of them to other ranks under balanced routing; "
+        "the memory table counts each expert's weights as FSDP shards gathered over all data ranks, an upper "
+        "bound under EP, where a rank gathers only its own experts"
+    )
 
 
 def mixture_of_experts(layout: Layout, shapes: list[StageShape], setup: Setup) -> dict[str, Any] | None:
     """The MoE part of a plan (None for a dense model): per pipeline rank its parameters, active
     parameters (`active_params`), expert parameters and, under Muon, its Newton-Schulz work on
-    expert matrices (`expert_newton_schulz`); the all-to-all bytes per step, 0 without expert
-    parallelism (the only MoE layout `plan` accepts). Expert weight bytes per GPU are the
-    memory breakdown's "expert_weights"."""
+    expert matrices (`expert_newton_schulz`) and the bytes it sends by all-to-all per step
+    (`all_to_all_bytes`, 0 without expert parallelism); the busiest rank's all-to-all bytes.
+    Expert weight bytes per GPU are the memory breakdown's "expert_weights"."""
     if not setup.num_experts:
         return None
     ranks = []
@@ -339,14 +369,16 @@ def mixture_of_experts(layout: Layout, shapes: list[StageShape], setup: Setup) -
             "parameters": sum(s.params for s in stages),
             "active_parameters": round(sum(active_params(s, setup) for s in stages)),
             "expert_parameters": sum(s.expert_params for s in stages),
+            "all_to_all_bytes": all_to_all_bytes(stages, setup, layout.window * layout.windows_per_step),
             **({"newton_schulz": expert_newton_schulz(stages, setup)} if setup.optimizer == "muon" else {}),
         })
+    busiest = max(r["all_to_all_bytes"] for r in ranks)
     return {
         "num_experts": setup.num_experts,
         "top_k": setup.top_k,
         "moe_hidden_dim": setup.moe_hidden_dim,
-        "expert_parallel": 1,
-        "all_to_all_bytes": 0,
-        "note": ALL_TO_ALL_NOTE,
+        "expert_parallel": setup.ep,
+        "all_to_all_bytes": busiest,
+        "note": _all_to_all_note(setup, busiest),
         "ranks": ranks,
     }

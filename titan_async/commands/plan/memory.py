@@ -192,6 +192,9 @@ class Setup:
     """Experts each token is routed to."""
     moe_hidden_dim: int = 0
     """Hidden size of each expert's SwiGLU."""
+    ep: int = 1
+    """expert_parallel_degree: data ranks of a stage that split the experts and exchange the routed
+    tokens by all-to-all (1: each rank routes its own tokens)."""
 
     @property
     def gathered(self) -> int:

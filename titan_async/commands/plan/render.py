@@ -146,16 +146,20 @@ def _dry_run_table(plan: dict[str, Any]) -> Table:
 def _moe_table(plan: dict[str, Any]) -> Table:
     moe = plan["mixture_of_experts"]
     muon = "newton_schulz" in moe["ranks"][0]
+    expert_parallel = moe["expert_parallel"] > 1
     table = Table(
         f"Mixture of experts ({moe['num_experts']} experts, top-{moe['top_k']}, expert hidden {moe['moe_hidden_dim']}): "
         "parameters per pipeline rank, active = non-expert + top_k / experts of the expert weights"
         + ("; Muon's Newton-Schulz per expert matrix (each expert's matrix on its own, batched per shape) and the "
            "busiest owner's per step (GFLOP per matrix, TFLOP per owner)" if muon else ""),
-        ["pp", "params", "active", "experts", *(["expert matrices", "per matrix", "busiest owner"] if muon else [])],
+        ["pp", "params", "active", "experts", *(["all-to-all/step"] if expert_parallel else []),
+         *(["expert matrices", "per matrix", "busiest owner"] if muon else [])],
         [],
     )
     for r in moe["ranks"]:
         row = [str(r["pp_rank"]), _count(r["parameters"]), _count(r["active_parameters"]), _count(r["expert_parameters"])]
+        if expert_parallel:
+            row.append(f"{r['all_to_all_bytes'] / 1e9:.3f} GB")
         if muon:
             ns = r["newton_schulz"]
             row += ["; ".join(f"{s['matrices']} x {s['rows']}x{s['cols']}" for s in ns["stacks"]) or "-",
