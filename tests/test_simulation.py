@@ -1,5 +1,6 @@
 """The schedule simulator (`pipeline.simulation`) against the analytic bubble and hand-computed
-timings, and `plan --simulate` on the 10B config."""
+timings, its costs read from a hand-written trace (which the simulation must give back), and
+`plan --simulate` on the 10B config and from a run's trace."""
 
 from __future__ import annotations
 

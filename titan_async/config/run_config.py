@@ -18,8 +18,8 @@ from titan_async.core.errors import UserError
 from titan_async.data.sources import DataSection
 from titan_async.model.llama import ModelSection
 from titan_async.optim.lr_schedule import RunLRSchedulers
-from titan_async.parallel.expert import expert_parallel_problem
 from titan_async.optim.section import OptimizerSection
+from titan_async.parallel.expert import expert_parallel_problem
 from titan_async.pipeline.config import (
     DelayTraining, PipelineParallelism, check_activation_checkpoint, check_pipeline, microbatches,
 )
