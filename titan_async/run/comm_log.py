@@ -163,17 +163,23 @@ def _wrap_collective(log: CommLog, name: str, original):
     return wrapper
 
 
-def _wrap_functional(log: CommLog, name: str, original):
-    """A functional collective op: `original(input, ..., group_name)` returns the output tensor."""
+class _LoggedFunctionalOp:
+    """A functional collective op packet whose calls, `packet(input, ..., group_name)` returning
+    the output tensor, are logged; its attributes (`.default` and the other overloads, which
+    libraries such as torchao look up and compare) are the original packet's."""
 
-    def wrapper(*args, **kwargs):
-        if log.nested():
-            return original(*args, **kwargs)
+    def __init__(self, log: CommLog, name: str, packet) -> None:
+        self._log, self._name, self._packet = log, name, packet
+
+    def __call__(self, *args, **kwargs):
+        if self._log.nested():
+            return self._packet(*args, **kwargs)
         group = c10d._resolve_process_group(kwargs.get("group_name", args[-1]))
-        record = {"op": "coll", "kind": name, "group": log.group(group), "bytes": _bytes(args[0])}
-        return log.call(record, True, original, *args, **kwargs)
+        record = {"op": "coll", "kind": self._name, "group": self._log.group(group), "bytes": _bytes(args[0])}
+        return self._log.call(record, True, self._packet, *args, **kwargs)
 
-    return wrapper
+    def __getattr__(self, attribute: str):
+        return getattr(self._packet, attribute)
 
 
 _installed: CommLog | None = None
@@ -198,7 +204,7 @@ def install(directory: Path, rank: int) -> CommLog:
     functional = torch.ops._c10d_functional
     for name in _FUNCTIONAL:
         # Python callers look the op up on the namespace at each call.
-        setattr(functional, name, _wrap_functional(log, name, getattr(functional, name)))
+        setattr(functional, name, _LoggedFunctionalOp(log, name, getattr(functional, name)))
     _installed = log
     return log
 

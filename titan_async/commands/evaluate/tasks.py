@@ -114,7 +114,7 @@ def print_table(checkpoint: Path, step: int, tasks: dict[str, dict], path: Path)
             table.add_row(*row)
     console = Console()
     console.print(table)
-    console.print(f"results: {path}")
+    console.print(f"results: {path}", soft_wrap=True)  # a path stays on one line
 
 
 def evaluate_tasks(checkpoint: Path, tasks: str, *, limit: int | None, num_fewshot: int | None,
