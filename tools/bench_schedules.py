@@ -134,8 +134,10 @@ def run(schedule: str, args, run_dir: Path) -> dict:
     trace = run_dir / "pipeline" / "trace.json"
     window = args.microbatches * args.accumulate  # a streaming step's microbatches
     simulated = None
-    if args.simulate:
-        costs = costs_from_trace(json.loads(trace.read_text())["traceEvents"], window, schedule not in STREAMING, args.accumulate)
+    if args.simulate:  # the costs of the measured steps only: this machine's speed drifts over a run
+        start, stop = per_rank[0][args.warmup]["time"] * 1e6, per_rank[0][args.steps - 1]["time"] * 1e6
+        events = [e for e in json.loads(trace.read_text())["traceEvents"] if start <= e["ts"] < stop]
+        costs = costs_from_trace(events, window, schedule not in STREAMING, args.accumulate)
         simulated = tokens / simulate(schedule, args.stages, args.microbatches, costs, flushes=args.accumulate).step_time
     return {
         "tokens_per_s": tokens / step_time,
