@@ -36,14 +36,13 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from titan_async.pipeline.simulation import costs_from_trace, simulate
+from titan_async.pipeline.simulation import costs_from_trace, simulate, traced_actions
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "train_configs" / "debug_cpu_pp2.toml"
@@ -108,9 +107,8 @@ def ideal_step_time(trace: Path, microbatches: int) -> float:
     """Seconds per step of the slowest rank if it never waited: m x (median forward + median
     backward) + median optimizer step, from a traced streaming run's action durations."""
     durations: dict[int, dict[str, list[float]]] = {}
-    for event in json.loads(trace.read_text())["traceEvents"]:
-        kind = re.fullmatch(r"\d+([FBO])\d+", event["name"]).group(1)
-        durations.setdefault(event["tid"], {}).setdefault(kind, []).append(event["dur"] / 1e6)
+    for action in traced_actions(json.loads(trace.read_text())["traceEvents"]):
+        durations.setdefault(action.rank, {}).setdefault(action.kind, []).append(action.end - action.start)
     median = statistics.median
     return max(microbatches * (median(d["F"]) + median(d["B"])) + median(d["O"]) for d in durations.values())
 
