@@ -37,12 +37,12 @@ def ten_b_moe(capsys) -> dict:
     return _PLANS["10b"]
 
 
-def small_moe(capsys, config: str, gpus: int) -> dict:
+def small_moe(capsys, config: str, gpus: int, *extra: str) -> dict:
     """debug `config` as a qwen3_moe model (8 experts, top-2) under PipeDream2BW with Muon + error
-    feedback on `gpus` processes (computed once per layout)."""
-    key = f"{config}-{gpus}"
+    feedback on `gpus` processes, with `extra` settings (computed once per layout)."""
+    key = f"{config}-{gpus}-{extra}"
     if key not in _PLANS:
-        code, out, err = plan(capsys, "--config", config, "--gpus-per-node", str(gpus), "--json", *sets(*MOE, *TWO_BW_MUON_EF))
+        code, out, err = plan(capsys, "--config", config, "--gpus-per-node", str(gpus), "--json", *sets(*MOE, *TWO_BW_MUON_EF, *extra))
         assert code == 0, err
         _PLANS[key] = json.loads(out)
     return _PLANS[key]
@@ -88,12 +88,16 @@ def test_ten_b_moe_newton_schulz_per_expert_matrix_batched_per_shape(capsys):
     assert len(per_matrix) == 1 and rank["newton_schulz"]["busiest_owner_flops"] >= 4 * 3 * 64 * per_matrix.pop() / 8
 
 
-@pytest.mark.parametrize("config, gpus", [("debug_cpu_pp2_fsdp2", 4), ("debug_cpu_pp2", 2)], ids=["fsdp2", "plain"])
-def test_small_moe_estimate_equals_the_dry_runs_allocation_per_component(config, gpus, capsys):
-    """PP 2 x FSDP 2 (FSDP2's side shard) and PP 2 alone (plain parameters, both versions whole):
-    weights, expert weights, the second version with the expert biases and gradients to the byte;
-    Muon's momenta, AdamW's moments and error feedback's state up to their 0-dim step counters."""
-    result = small_moe(capsys, config, gpus)
+@pytest.mark.parametrize("config, gpus, extra", [("debug_cpu_pp2_fsdp2", 4, ()), ("debug_cpu_pp2", 2, ()),
+                                                 ("debug_cpu_pp2_fsdp2", 4, ("parallelism.expert_parallel_degree=2",))],
+                         ids=["fsdp2", "plain", "fsdp2-ep2"])
+def test_small_moe_estimate_equals_the_dry_runs_allocation_per_component(config, gpus, extra, capsys):
+    """PP 2 x FSDP 2 (FSDP2's side shard), PP 2 alone (plain parameters, both versions whole) and
+    PP 2 x EP 2 (each rank 4 whole experts, the dense weights FSDP-sharded, built as the trainer
+    builds it): weights, expert weights, the second version with the expert biases and gradients
+    to the byte; Muon's momenta, AdamW's moments and error feedback's state up to their 0-dim
+    step counters."""
+    result = small_moe(capsys, config, gpus, *extra)
     assert result["warnings"] == []
     inspected = result["dry_run"]["ranks"]
     assert [r["pp_rank"] for r in inspected][0] == 0 and inspected[-1]["pp_rank"] == 1
@@ -160,14 +164,17 @@ def test_simulate_refuses_moe_in_one_line(capsys):
     assert code == 2 and len(err.strip().splitlines()) == 1 and "--simulate" in err
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
-def test_moe_block_activation_formula_matches_what_autograd_saves(dtype):
+@pytest.mark.parametrize("dtype, precision", [(torch.bfloat16, "bfloat16"), (torch.float32, "bfloat16"), (torch.float32, "full")],
+                         ids=["bfloat16", "float32", "float32-full-precision-experts"])
+def test_moe_block_activation_formula_matches_what_autograd_saves(dtype, precision):
     """One qwen3_moe block (4 heads of 2 KV heads, 16 experts of hidden 128, top-4) on CPU: the tensors
     autograd saves, besides the dense CPU attention's seq x seq mask, against the formula for CPU
-    processes (no autocast), with float32's bfloat16 copies of the expert weights per microbatch."""
+    processes (no autocast), with float32's bfloat16 copies of the expert weights per microbatch
+    unless the experts multiply in float32 too (`model.expert_precision = "full"`)."""
     dim, heads, kv_heads, experts, top_k, hidden, seq = 256, 8, 4, 16, 4, 128, 96
     sizes = {"family": "qwen3_moe", "dim": dim, "n_layers": 1, "n_heads": heads, "n_kv_heads": kv_heads,
-             "num_experts": experts, "top_k": top_k, "moe_hidden_dim": hidden, "vocab_size": 512}
+             "num_experts": experts, "top_k": top_k, "moe_hidden_dim": hidden, "vocab_size": 512,
+             "expert_precision": precision}
     run = build_run_config({"model": sizes}, "test")
     model = build_meta_model(run, 512, fsdp=False).spec.model.build()
     model.to_empty(device="cpu")
@@ -178,6 +185,7 @@ def test_moe_block_activation_formula_matches_what_autograd_saves(dtype):
     setup = Setup(dim=dim, kv_dim=kv_heads * dim // heads, ffn_dim=0, vocab_size=512, tokens=seq, param_bytes=c,
                   compute_bytes=c, reduce_bytes=c, weight_shards=1, fsdp=False, fsdp_degree=1, unsharded_for_step=False,
                   version_copies=0, gathered_versions=0, optimizer="muon", error_feedback=False,
-                  activation_checkpoint="none", gpu=False, num_experts=experts, top_k=top_k, moe_hidden_dim=hidden)
+                  activation_checkpoint="none", gpu=False, num_experts=experts, top_k=top_k, moe_hidden_dim=hidden,
+                  expert_bytes=2 if precision == "bfloat16" else c)
     predicted = seq * block_activation_bytes(setup) + expert_weight_copy_bytes(setup)
     assert predicted == pytest.approx(measured, rel=0.03)

@@ -78,6 +78,10 @@ class ModelSection:
     load_balance_coeff: float = 1e-3
     """qwen3_moe: step of the auxiliary-loss-free expert-bias update at each optimizer step
     (0: no load balancing)."""
+    expert_precision: Literal["bfloat16", "full"] = "bfloat16"
+    """qwen3_moe: dtype of the experts' grouped matmuls. bfloat16: torchtitan's (it casts the
+    tokens and expert weights); full: the dtype the rest of the model computes in (slower unless
+    that is bfloat16; for exact comparisons in float32)."""
     float8: Literal["none", "rowwise", "rowwise_with_gw_hp"] = "none"
     """Float8 linear layers through torchao (the output head stays in high precision); needs SM89+,
     emulated (same recipe) on machines without CUDA (slow, eager only; for testing)."""
@@ -88,8 +92,8 @@ class ModelSection:
         if self.preset not in presets:
             raise ValueError(f"model.preset must be one of {sorted(presets)} for model.family = {self.family!r}, got {self.preset!r}")
         if self.family != "qwen3_moe":
-            for key in ("num_experts", "top_k", "moe_hidden_dim"):
-                if getattr(self, key) != -1:
+            for key in ("num_experts", "top_k", "moe_hidden_dim", "expert_precision"):
+                if getattr(self, key) != next(f.default for f in fields(self) if f.name == key):
                     raise ValueError(f"model.{key} applies to model.family = \"qwen3_moe\" only (this model is {self.family!r})")
         sizes = dict(presets[self.preset])
         for f in fields(self):
@@ -197,6 +201,6 @@ def _moe_model_spec(section: ModelSection, sizes: dict[str, object], backend: st
     if section.float8 != "none":
         raise ValueError(f"model.float8 = {section.float8!r} is not supported with model.family = \"qwen3_moe\"; set it to \"none\"")
     config = build_qwen3_moe_model(sizes, section.rope_theta, section.load_balance_coeff,
-                                   "varlen" if backend == "dense" else backend)
+                                   "varlen" if backend == "dense" else backend, section.expert_precision)
     _use_dense_attention(config, backend)
     return qwen3_moe_spec(config, section.preset, **({} if fsdp else {"parallelize_fn": parallelize_without_fsdp}))

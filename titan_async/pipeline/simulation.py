@@ -11,8 +11,12 @@ holds r and 2p-1-r). Optimizer steps: a synchronous schedule steps once per step
 after every rank finished the step's flushes (torchtitan's global norm and step: all wait for
 the slowest); a streaming stage steps right after the backward that completes its update
 (2BW: every m backwards, PACI: every `accumulation`), as `pipeline.executor` does, with no
-barrier. Since nothing contends but each rank's own stream, start times are computed in
-dependency order, which gives the times an event-driven run would.
+barrier. FSDP and replica collectives (`Collectives`) run on a stream of their own, one FSDP unit
+at a time: a stage gathers its weights before its first forward after each gradient reduction
+(torch's schedules: each flush; 2BW: each step; PACI: each local step) and reduces its gradient
+after the backward that completes one, and only the part the unit-by-unit overlap cannot hide
+(`exposed`) occupies the compute stream. Since nothing contends but each rank's own streams,
+start times are computed in dependency order, which gives the times an event-driven run would.
 
 Steady state: several steps run and the later ones are measured, between step boundaries (the
 latest end, over ranks, of a step's optimizer step or, for a streaming window, of its actions).
@@ -51,13 +55,32 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Collectives:
+    """A pipeline rank's FSDP and replica collectives per gradient reduction, in seconds: the
+    all-gather of its weights, and the reduce-scatter plus replica all-reduce of its gradient,
+    each split evenly over its `units` FSDP units (a rank with v stages: 1/v of each per stage)."""
+
+    gather: float = 0.0
+    reduce: float = 0.0
+    units: int = 1
+
+
+def exposed(collective: float, compute: float, units: int) -> float:
+    """Seconds a collective split over `units` pieces adds to `compute` (split alike) when they run
+    on two streams and each piece must precede its unit's compute (a gather, FSDP2 prefetching the
+    next unit's) or follow it (a reduction, as the backward moves to the next unit): the last
+    piece always, and whatever of the collective the other units' compute cannot hide,
+    max(C / U, C - compute (U - 1) / U)."""
+    if collective <= 0:
+        return 0.0
+    return max(collective / units, collective - compute * (units - 1) / units)
+
+
+@dataclass(frozen=True)
 class Costs:
     """Seconds per pipeline rank (its whole share of the model; a schedule with v stages per rank
     gives each 1/v): one microbatch's forward and backward, and one optimizer step. When a
-    schedule splits the backward, I takes `input_fraction` of it and W the rest.
-
-    `collective` is a per-optimizer-step additive term (FSDP and replica collectives, assumed not
-    overlapped) added to each rank's optimizer step."""
+    schedule splits the backward, I takes `input_fraction` of it and W the rest."""
 
     forward: tuple[float, ...]
     backward: tuple[float, ...]
@@ -68,7 +91,8 @@ class Costs:
     inter_node: Link = Link()
     node_of_rank: tuple[int, ...] | None = None
     """Node of each pipeline rank; None = all on one node."""
-    collective: float = 0.0
+    collectives: tuple[Collectives, ...] | None = None
+    """Each rank's FSDP and replica collectives; None = none."""
     stage_costs: tuple[tuple[float, float, float], ...] | None = None
     """Measured (forward, input gradient, weight gradient) seconds of each stage, in place of
     the per-rank shares (a full backward takes input + weight gradient) for a schedule with as
@@ -251,17 +275,22 @@ def placement(order: dict[int, list[_Action]]) -> dict[int, int]:
     return {a.stage_index: rank for rank, actions in order.items() for a in actions}
 
 
+def _durations(stage: int, rank_of: dict[int, int], per_rank: Counter[int], costs: Costs) -> tuple[float, float, float]:
+    """Seconds of one forward, input gradient and weight gradient of `stage`; `per_rank` counts
+    each rank's stages."""
+    if costs.stage_costs and len(costs.stage_costs) == len(rank_of):
+        return costs.stage_costs[stage]
+    rank = rank_of[stage]
+    share = 1 / per_rank[rank]
+    backward = costs.backward[rank] * share
+    return costs.forward[rank] * share, backward * costs.input_fraction, backward * (1 - costs.input_fraction)
+
+
 def _task(action: _Action, tag: Hashable, rank_of: dict[int, int], per_rank: Counter[int], costs: Costs) -> Task:
-    """The task of `action` in flush or window `tag` (keys: (tag, stage, F | dx | W, microbatch));
-    `per_rank` counts each rank's stages."""
+    """The task of `action` in flush or window `tag` (keys: (tag, stage, F | dx | W, microbatch))."""
     s, kind, k = action.stage_index, action.computation_type, action.microbatch_index
     rank, stages = rank_of[s], len(rank_of)
-    if costs.stage_costs and len(costs.stage_costs) == stages:
-        forward, input_gradient, weight_gradient = costs.stage_costs[s]
-    else:
-        share = 1 / per_rank[rank]
-        forward, backward = costs.forward[rank] * share, costs.backward[rank] * share
-        input_gradient, weight_gradient = backward * costs.input_fraction, backward * (1 - costs.input_fraction)
+    forward, input_gradient, weight_gradient = _durations(s, rank_of, per_rank, costs)
     label = f"{s}{kind.value}{k}"
     if kind == F:
         deps = ((((tag, s - 1, "F", k), costs.link(rank_of[s - 1], rank)),) if s > 0 else ())
@@ -272,6 +301,40 @@ def _task(action: _Action, tag: Hashable, rank_of: dict[int, int], per_rank: Cou
     if s < stages - 1:
         deps.append(((tag, s + 1, "dx", k), costs.link(rank_of[s + 1], rank)))
     return Task((tag, s, "dx", k), input_gradient + (weight_gradient if kind == B else 0.0), tuple(deps), label)
+
+
+def _collective(action: _Action, tag: Hashable, rank_of: dict[int, int], per_rank: Counter[int], costs: Costs) -> list[Task]:
+    """The exposed part (`exposed`) of the gather of `action`'s stage before that forward, or of
+    its gradient reduction after that backward (B or W), as a task labelled C; none if 0."""
+    if not costs.collectives:
+        return []
+    s, kind, k = action.stage_index, action.computation_type, action.microbatch_index
+    shares = per_rank[rank_of[s]]
+    collectives = costs.collectives[rank_of[s]]
+    units = max(1, round(collectives.units / shares))
+    forward, input_gradient, weight_gradient = _durations(s, rank_of, per_rank, costs)
+    if kind == F:
+        seconds = exposed(collectives.gather / shares, forward, units)
+    else:
+        seconds = exposed(collectives.reduce / shares, weight_gradient + (input_gradient if kind == B else 0.0), units)
+    return [Task((tag, s, "C", kind.value, k), seconds, label=f"{s}C{k}")] if seconds else []
+
+
+def flush_tasks(actions: list[_Action], tag: Hashable, rank_of: dict[int, int], per_rank: Counter[int], costs: Costs) -> list[Task]:
+    """One rank's tasks for one flush of `actions`: each of its stages gathers before its first
+    forward and reduces after its last backward (B or W)."""
+    last_backward = {a.stage_index: i for i, a in enumerate(actions) if a.computation_type in (B, W)}
+    tasks: list[Task] = []
+    gathered: set[int] = set()
+    for i, action in enumerate(actions):
+        s = action.stage_index
+        if action.computation_type == F and s not in gathered:
+            gathered.add(s)
+            tasks += _collective(action, tag, rank_of, per_rank, costs)
+        tasks.append(_task(action, tag, rank_of, per_rank, costs))
+        if last_backward.get(s) == i:
+            tasks += _collective(action, tag, rank_of, per_rank, costs)
+    return tasks
 
 
 def host_time(costs: Costs, rank: int) -> float:
@@ -334,10 +397,10 @@ def simulate_synchronous(name: str, order: dict[int, list[_Action]], costs: Cost
     for step in range(steps):
         for flush in range(step * flushes, (step + 1) * flushes):
             for rank in range(ranks):
-                streams[rank] += [_task(a, flush, rank_of, per_rank, costs) for a in order[rank]]
+                streams[rank] += flush_tasks(order[rank], flush, rank_of, per_rank, costs)
         barrier = tuple((stream[-1].key, 0.0) for stream in streams)
         for rank in range(ranks):
-            streams[rank].append(Task(("step", step, rank), costs.optimizer[rank] + costs.collective, barrier, f"{rank}O{step}"))
+            streams[rank].append(Task(("step", step, rank), costs.optimizer[rank], barrier, f"{rank}O{step}"))
             streams[rank].append(Task(("host", step, rank), host_time(costs, rank), label=f"{rank}H{step}"))
             step_at[rank].append(len(streams[rank]) - 1)
     times = run_tasks(streams)
@@ -347,23 +410,31 @@ def simulate_synchronous(name: str, order: dict[int, list[_Action]], costs: Cost
 
 def streaming_streams(ranks: int, microbatches: int, windows: int, costs: Costs, update_every: int) -> tuple[list[list[Task]], list[list[int]]]:
     """Each stage's tasks for `windows` windows of the streaming stream (`actions.window_actions`),
-    an optimizer step after every `update_every`-th backward, and each task's window."""
+    a reduction and an optimizer step after every `update_every`-th backward, a gather before the
+    first forward after each, and each task's window."""
     rank_of = {s: s for s in range(ranks)}
     per_rank = Counter(rank_of.values())
     streams: list[list[Task]] = [[] for _ in range(ranks)]
     window_of: list[list[int]] = [[] for _ in range(ranks)]
     for stage in range(ranks):
+        placed: list[tuple[Task, int]] = []
+        gathered = False
         for window in range(windows):
             for action in window_actions(stage, ranks, microbatches, window, drained=False):
-                streams[stage].append(_task(action, 0, rank_of, per_rank, costs))
-                window_of[stage].append(window)
+                tasks = [_task(action, 0, rank_of, per_rank, costs)]
+                if action.computation_type == F and not gathered:
+                    gathered = True
+                    tasks = _collective(action, 0, rank_of, per_rank, costs) + tasks
                 if action.computation_type == B and (action.microbatch_index + 1) % update_every == 0:
-                    streams[stage].append(Task(("step", stage, action.microbatch_index), costs.optimizer[stage] + costs.collective,
-                                               label=f"{stage}O{action.microbatch_index}"))
-                    window_of[stage].append(window)
+                    gathered = False
+                    tasks += _collective(action, 0, rank_of, per_rank, costs)
+                    tasks.append(Task(("step", stage, action.microbatch_index), costs.optimizer[stage],
+                                      label=f"{stage}O{action.microbatch_index}"))
+                placed += [(task, window) for task in tasks]
             if host_time(costs, stage):
-                streams[stage].append(Task(("host", stage, window), host_time(costs, stage), label=f"{stage}H{window}"))
-                window_of[stage].append(window)
+                placed.append((Task(("host", stage, window), host_time(costs, stage), label=f"{stage}H{window}"), window))
+        streams[stage] = [task for task, _ in placed]
+        window_of[stage] = [window for _, window in placed]
     return streams, window_of
 
 

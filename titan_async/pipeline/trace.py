@@ -141,8 +141,10 @@ def merge_traces(paths: list[Path], output: Path) -> list[dict]:
     return events
 
 
-GANTT_COLOURS = {"F": "tab:blue", "B": "tab:green", "I": "limegreen", "W": "tab:olive", "O": "tab:red", "H": "lightgray"}
-"""Action letter -> colour: forwards, backwards (split: input, weight gradients), optimizer steps, host work."""
+GANTT_COLOURS = {"F": "tab:blue", "B": "tab:green", "I": "limegreen", "W": "tab:olive", "O": "tab:red", "H": "lightgray",
+                 "C": "tab:purple"}
+"""Action letter -> colour: forwards, backwards (split: input, weight gradients), optimizer steps, host work,
+exposed FSDP and replica collectives (simulated)."""
 
 
 def draw_gantt(events: list[dict], output: Path, title: str) -> None:
@@ -153,7 +155,7 @@ def draw_gantt(events: list[dict], output: Path, title: str) -> None:
 def draw_gantts(panels: list[tuple[str, list[dict]]], output: Path) -> None:
     """PNG of one Gantt chart per (title, events) panel, stacked, on a shared time axis in ms from
     each panel's first event: one row per rank, forwards blue, backwards green (input gradients
-    light green, weight gradients olive), optimizer steps red, host work grey."""
+    light green, weight gradients olive), optimizer steps red, host work grey, exposed collectives purple."""
     import matplotlib
 
     matplotlib.use("Agg")

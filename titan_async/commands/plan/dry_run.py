@@ -24,6 +24,7 @@ from titan_async.config.assemble import ACTIVATION_CHECKPOINTS
 from titan_async.config.run_config import RunConfig
 from titan_async.model.meta import MetaModel
 from titan_async.optim.error_feedback import PREVIOUS_UPDATE, STEPS
+from titan_async.parallel.expert import with_expert_parallel_backend
 from titan_async.parallel.fsdp_stage import FsdpStage
 from titan_async.pipeline.actions import pipeline_order
 from titan_async.pipeline.versions import two_versions
@@ -48,7 +49,7 @@ def _build_rank(run: RunConfig, model: MetaModel, world: int) -> tuple[list[torc
     """This (fake) rank's model parts, pipeline schedule (None without PP) and pipeline rank, on meta,
     parallelized and initialized as the trainer does (initializing re-ties tied weights)."""
     spec = model.spec
-    parallelism = run.parallelism
+    parallelism = with_expert_parallel_backend(run.parallelism)
     parallel_dims = ParallelDims.from_config(parallelism, world)
     checkpointing = ACTIVATION_CHECKPOINTS[run.activation_checkpoint.mode]
     common = dict(
@@ -152,7 +153,7 @@ def dry_run(run: RunConfig, layout: Layout, model: MetaModel, world: int, rows: 
     """`dry_run_rank` for every inspected rank, with its pipeline rank's estimate of the same components."""
     if dist.is_initialized():
         raise RuntimeError("plan's dry run needs a process without a process group")
-    set_spmd_backend(run.parallelism.spmd_backend)
+    set_spmd_backend(with_expert_parallel_backend(run.parallelism).spmd_backend)
     results = []
     for rank in inspected_ranks(layout, world):
         result = dry_run_rank(run, layout, model, world, rank)

@@ -192,6 +192,9 @@ class Setup:
     """Experts each token is routed to."""
     moe_hidden_dim: int = 0
     """Hidden size of each expert's SwiGLU."""
+    expert_bytes: int = 2
+    """Bytes per element of the experts' grouped matmuls: 2 (torchtitan's bfloat16), or the compute
+    dtype's with `model.expert_precision = "full"`."""
     ep: int = 1
     """expert_parallel_degree: data ranks of a stage that split the experts and exchange the routed
     tokens by all-to-all (1: each rank routes its own tokens)."""
@@ -240,7 +243,7 @@ def fsdp_buffer_bytes(stages: list[StageShape], setup: Setup) -> float:
     if not setup.fsdp:
         return 0.0
     if setup.unsharded_for_step:
-        unsharded = _tp_params(stages, setup) * ((1 + setup.gathered_versions) * setup.compute_bytes + setup.reduce_bytes)
+        unsharded = _fsdp_params(stages, setup) * ((1 + setup.gathered_versions) * setup.compute_bytes + setup.reduce_bytes)
     else:
         unsharded = max(s.largest_unit for s in stages) * (2 * setup.compute_bytes + setup.reduce_bytes)
     return unsharded + fsdp_flat_buffer_bytes(stages, setup)
@@ -263,12 +266,13 @@ def fsdp_step_bytes(stages: list[StageShape], setup: Setup) -> float:
     resharded by then: 0."""
     if not (setup.fsdp and setup.unsharded_for_step):
         return 0.0
-    return _tp_params(stages, setup) * (1 + setup.gathered_versions) * setup.compute_bytes
+    return _fsdp_params(stages, setup) * (1 + setup.gathered_versions) * setup.compute_bytes
 
 
-def _tp_params(stages: list[StageShape], setup: Setup) -> float:
-    """Parameters of `stages` on one TP rank: what FSDP gathers and reduces."""
-    return sum(tp_local(s.params, s.replicated, setup) for s in stages)
+def _fsdp_params(stages: list[StageShape], setup: Setup) -> float:
+    """Parameters of `stages` one rank's FSDP gathers and reduces: those of its TP rank, and under
+    EP only its own experts (1/ep of them; experts are never under TP)."""
+    return sum(tp_local(s.params, s.replicated, setup) - s.expert_params * (1 - 1 / setup.ep) for s in stages)
 
 
 def block_activation_bytes(setup: Setup, mode: str | None = None) -> float:
@@ -324,22 +328,23 @@ def moe_block_activation_bytes(setup: Setup, mode: str) -> float:
 
 
 def routed_token_bytes(setup: Setup) -> float:
-    """Bytes an MoE block keeps for each (token, expert) pair it routes: the experts' SwiGLU,
-    which torchtitan's grouped matmuls always compute in bfloat16 (w1 and w3 outputs, the SiLU
-    output and the product: 4 hidden x 2), their bfloat16 input (the gathered token; a float32
-    model casts it once per matmul: twice), the float32 expert output scaled by its routing
-    score (4 dim), and three int64 indices of the dispatch."""
-    inputs = 1 if setup.compute_bytes == 2 else 2
-    return 8 * setup.moe_hidden_dim + 2 * setup.dim * inputs + 4 * setup.dim + 24
+    """Bytes an MoE block keeps for each (token, expert) pair it routes: the experts' SwiGLU in
+    their matmul dtype of e = `expert_bytes` (w1 and w3 outputs, the SiLU output and the product:
+    4 hidden x e), their input (the gathered token, cast to e bytes once per matmul when the model
+    computes in another dtype: twice), the float32 expert output scaled by its routing score
+    (4 dim), and three int64 indices of the dispatch."""
+    e = setup.expert_bytes
+    inputs = 1 if e == setup.compute_bytes else 2
+    return 4 * e * setup.moe_hidden_dim + e * setup.dim * inputs + 4 * setup.dim + 24
 
 
 def expert_weight_copy_bytes(setup: Setup) -> float:
-    """Bytes an MoE block keeps per microbatch whatever its tokens: torchtitan's grouped matmuls
-    cast the expert weights to bfloat16, so a model computing in another dtype keeps those
-    three copies (3 x E x hidden x dim x 2) for the backward; 0 in bfloat16 or for dense blocks."""
-    if not setup.num_experts or setup.compute_bytes == 2:
+    """Bytes an MoE block keeps per microbatch whatever its tokens: experts multiplying in another
+    dtype than the model computes in (torchtitan's bfloat16 in a float32 model) keep their three
+    weights' cast copies (3 x E x hidden x dim x e) for the backward; 0 otherwise or for dense blocks."""
+    if not setup.num_experts or setup.expert_bytes == setup.compute_bytes:
         return 0.0
-    return 3 * setup.num_experts * setup.moe_hidden_dim * setup.dim * 2
+    return 3 * setup.num_experts * setup.moe_hidden_dim * setup.dim * setup.expert_bytes
 
 
 def microbatch_activation_bytes(stage: StageShape, setup: Setup) -> float:
@@ -539,27 +544,32 @@ def fsdp_traffic_bytes(schedule: str, stages: list[StageShape], setup: Setup, mi
                        accumulation_steps: int = 1, accumulation: int | None = None) -> dict[str, float]:
     """Bytes one rank of a pipeline stage all-gathers, reduce-scatters and all-reduces across
     replicas per steady-state step (titan_async.parallel.fsdp_traffic counts the same). With
-    n = `reductions_per_step`, P the rank's stage parameters (on one TP rank, `tp_local`), f the
-    FSDP (shard) degree, r the replicas, c and g the compute and reduce dtype bytes:
+    n = `reductions_per_step`, P the rank's dense stage parameters (on one TP rank, `tp_local`)
+    and X its experts' (1/ep of the stage's: EP splits the experts, FSDP shards each rank's over
+    the f / ep ranks of its expert group), f the FSDP (shard) degree, r the replicas, c and g
+    the compute and reduce dtype bytes:
 
-        all_gather = n P c and reduce_scatter = n P g   (0 when f = 1)
-        all_reduce = n (P / f) g                        (0 when r = 1)
+        all_gather = n (P [f > 1] + X [f / ep > 1]) c, reduce_scatter the same in g bytes
+        all_reduce = n (P + ep X) / f g                 (0 when r = 1)
 
-    Every reduction is followed by a gather: torch's schedules reshard at the end of each flush,
-    PipeDream2BW gathers each version once (its other version stays gathered), PACI gathers
-    again after each local step. The all-reduce is that of the reduce-scattered shard, counted
-    as the bytes of the tensor all-reduced, as the runtime counts it; a ring all-reduce sends
-    and receives 2 (r - 1) / r times that per rank. FSDP's padding of shards is left out.
-    Drains for checkpoints and validation may add one gather of the latest 2BW version."""
+    (a one-rank FSDP group moves nothing). Every reduction is followed by a gather: torch's
+    schedules reshard at the end of each flush, PipeDream2BW gathers each version once (its
+    other version stays gathered), PACI gathers again after each local step. The all-reduce is
+    that of the reduce-scattered shard, counted as the bytes of the tensor all-reduced, as the
+    runtime counts it; a ring all-reduce sends and receives 2 (r - 1) / r times that per rank.
+    FSDP's padding of shards is left out. Drains for checkpoints and validation may add one
+    gather of the latest 2BW version."""
     if not setup.fsdp:
         return {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
-    params = _tp_params(stages, setup)
+    stage_experts = sum(s.expert_params for s in stages)
+    experts = stage_experts / setup.ep
+    dense = _fsdp_params(stages, setup) - experts
     n = reductions_per_step(schedule, microbatches, accumulation_steps, accumulation)
-    sharded = setup.fsdp_degree > 1
+    sharded = dense * (setup.fsdp_degree > 1) + experts * (setup.fsdp_degree > setup.ep)
     return {
-        "all_gather": n * params * setup.compute_bytes if sharded else 0.0,
-        "reduce_scatter": n * params * setup.reduce_bytes if sharded else 0.0,
-        "all_reduce": n * params / setup.fsdp_degree * setup.reduce_bytes if setup.replicas > 1 else 0.0,
+        "all_gather": n * sharded * setup.compute_bytes,
+        "reduce_scatter": n * sharded * setup.reduce_bytes,
+        "all_reduce": n * (dense + stage_experts) / setup.fsdp_degree * setup.reduce_bytes if setup.replicas > 1 else 0.0,
     }
 
 

@@ -17,9 +17,11 @@ rank gives each 1/v):
   dim in the compute dtype), over the intra-node link when both pipeline ranks' first GPUs are
   on one node, else the inter-node link.
 - FSDP all-gather + reduce-scatter and the replica all-reduce: the bytes `memory.fsdp_traffic_bytes`
-  predicts per step, as ring collectives over the link their group spans, fully exposed (an
-  upper bound: runtimes overlap part of them), added to each optimizer step. TP's collectives
-  are left to the MFU.
+  predicts per step, per gradient reduction, as ring collectives over the link their group
+  spans, spread over the rank's FSDP units (blocks, the embedding, norm + output head) and
+  overlapped unit by unit with the first forward after a reduction (gather) and the backward
+  that completes one (reduction), as `pipeline.simulation` models them. TP's collectives are
+  left to the MFU.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from titan_async.optim.muon_cost import stage_costs
 from titan_async.optim.routing import route_parameters
 from titan_async.pipeline.config import accumulation_steps, microbatches
 from titan_async.pipeline.schedules import SCHEDULE_NAMES, STREAMING_SCHEDULES, streaming_schedule
-from titan_async.pipeline.simulation import Costs, Link, compare, costs_from_trace
+from titan_async.pipeline.simulation import Collectives, Costs, Link, compare, costs_from_trace
 from titan_async.pipeline.trace import draw_gantts
 
 HBM_BYTES_PER_S = 3.35e12
@@ -129,23 +131,32 @@ def traced_costs(directory: Path, layout: Layout) -> Costs:
                             not streaming_schedule(p.pipeline_parallel_schedule), flushes)
 
 
-def collective_seconds(name: str, layout: Layout, shapes: list[StageShape], setup: Setup, cluster: Cluster,
-                       options: SimulationOptions, accumulation: int | None) -> float:
-    """Seconds of FSDP and replica collectives per optimizer step of the busiest pipeline rank
-    under schedule `name` (PACI: per local step), fully exposed ring collectives."""
+def fsdp_units(shape: StageShape) -> int:
+    """FSDP units of a stage: its blocks, the embedding, norm + output head."""
+    return shape.layers + ("tok_embeddings" in shape.modules) + shape.last
+
+
+def rank_collectives(name: str, layout: Layout, shapes: list[StageShape], setup: Setup, cluster: Cluster,
+                     options: SimulationOptions, accumulation: int | None) -> tuple[Collectives, ...]:
+    """Each pipeline rank's FSDP and replica collectives per gradient reduction under schedule
+    `name`: ring collectives of `fsdp_traffic_bytes`' bytes over the link their group spans."""
     intra, inter = _links(options)
     gpus = layout.gpus_per_pp_rank(cluster.world_size)
     fsdp_link = intra if setup.weight_shards * setup.tp <= cluster.gpus_per_node else inter
     replica_link = intra if gpus <= cluster.gpus_per_node else inter
     f, r = setup.fsdp_degree, setup.replicas
-    seconds = []
+    reductions = reductions_per_step(name, layout.microbatches, layout.accumulation_steps, accumulation)
+    ranks = []
     for indices in layout.rank_stages:
         moved = fsdp_traffic_bytes(name, [shapes[i] for i in indices], setup, layout.microbatches,
                                    layout.accumulation_steps, accumulation)
-        seconds.append((moved["all_gather"] + moved["reduce_scatter"]) * (f - 1) / f / fsdp_link.bandwidth
-                       + moved["all_reduce"] * 2 * (r - 1) / r / replica_link.bandwidth)
-    steps = reductions_per_step(name, layout.microbatches, layout.accumulation_steps, accumulation) if name == "PACI" else 1
-    return max(seconds) / steps
+        ranks.append(Collectives(
+            gather=moved["all_gather"] * (f - 1) / f / fsdp_link.bandwidth / reductions,
+            reduce=(moved["reduce_scatter"] * (f - 1) / f / fsdp_link.bandwidth
+                    + moved["all_reduce"] * 2 * (r - 1) / r / replica_link.bandwidth) / reductions,
+            units=sum(fsdp_units(shapes[i]) for i in indices),
+        ))
+    return tuple(ranks)
 
 
 def simulate_plan(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes: list[StageShape], setup: Setup,
@@ -157,12 +168,14 @@ def simulate_plan(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes
     accumulation = run.parallelism.paci.accumulation
     if options.costs_from:
         costs = traced_costs(options.costs_from, layout)
-        collectives = dict.fromkeys(SCHEDULE_NAMES, 0.0)
+        collectives = dict.fromkeys(SCHEDULE_NAMES, None)
     else:
         costs = rank_costs(run, layout, model, shapes, setup, cluster, options)
-        collectives = {name: collective_seconds(name, layout, shapes, setup, cluster, options, accumulation) for name in SCHEDULE_NAMES}
+        collectives = {name: rank_collectives(name, layout, shapes, setup, cluster, options, accumulation) for name in SCHEDULE_NAMES}
     rows, skipped = compare(layout.pp, layout.microbatches, costs, flushes=layout.accumulation_steps, accumulation=accumulation,
-                            costs_of=lambda name: replace(costs, collective=collectives[name]))
+                            costs_of=lambda name: replace(costs, collectives=collectives[name]))
+    seconds = {name: collective_seconds(ranks, reductions_per_step(name, layout.microbatches, layout.accumulation_steps, accumulation))
+               for name, ranks in collectives.items()}
     if options.gantt:
         draw_gantts([(f"{row.result.name}: {row.result.step_time * 1e3:,.1f} ms per step (simulated)",
                       first_steps(row.result.events, row.result.step_time, 3)) for row in rows], options.gantt)
@@ -173,12 +186,17 @@ def simulate_plan(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes
         "bubble": list(row.result.bubble),
         "vs_1f1b": row.vs_1f1b,
         "vs_best_synchronous": row.vs_best_synchronous,
-        "collective_seconds": collectives[row.result.name],
+        "collective_seconds": seconds[row.result.name],
         "streaming": row.result.name in STREAMING_SCHEDULES,
         "selected": row.result.name.lower() == layout.schedule.lower(),
     } for row in rows]
-    assumptions = traced_assumptions(options.costs_from, costs) if options.costs_from else flop_assumptions(options, costs, collectives)
+    assumptions = traced_assumptions(options.costs_from, costs) if options.costs_from else flop_assumptions(options, costs, seconds)
     return {"schedules": schedules, "skipped": skipped, "costs": asdict(costs), "assumptions": assumptions}
+
+
+def collective_seconds(ranks: tuple[Collectives, ...] | None, reductions: float) -> float:
+    """The busiest rank's collective seconds per optimizer step, exposed or hidden (0 for a trace's costs)."""
+    return max(((c.gather + c.reduce) * reductions for c in ranks), default=0.0) if ranks else 0.0
 
 
 def first_steps(events: tuple[dict, ...], step_time: float, steps: int) -> list[dict]:
@@ -211,8 +229,10 @@ def flop_assumptions(options: SimulationOptions, costs: Costs, collectives: dict
         f"optimizer step {_ms(costs.optimizer)} ms (Newton-Schulz FLOPs of the busiest Muon owner at the same MFU + "
         f"element-wise passes at {HBM_BYTES_PER_S / 1e12:g} TB/s)",
         link,
-        f"FSDP and replica collectives: plan's bytes per step as ring collectives, fully exposed, added to each "
-        f"optimizer step (an upper bound): {_ms(tuple(collectives.values()))} ms",
+        f"FSDP and replica collectives: plan's bytes per step as ring collectives, {_ms(tuple(collectives.values()))} ms "
+        "per step on the busiest rank, on a stream of their own one FSDP unit at a time: the gather overlaps the first "
+        "forward after each gradient reduction, the reduction the backward that completes it; only what that compute "
+        "cannot hide delays the rank",
         "synchronous schedules: every rank waits for the slowest, then steps; streaming: each stage steps on its own "
         "(2BW every window, PACI every `accumulation` backwards); interleaved and V-shaped schedules: 2 stages per rank, "
         "half the rank's costs each; steady state (later steps measured); links without contention",
