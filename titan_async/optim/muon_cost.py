@@ -63,8 +63,8 @@ def stage_costs(
         busiest = loads.index(max(loads)) if loads else 0
         received = 0
         for route, owner in zip(muon, owners):
-            rows, cols = route.param.shape
-            shard = math.ceil(rows / fsdp) * cols
+            rows, *rest = route.param.shape  # FSDP shards dim 0: rows, or the experts of a 3-D stack
+            shard = math.ceil(rows / fsdp) * math.prod(rest)
             received += shard * (fsdp - 1) if owner == busiest else shard
         matmul = sum(r.param.numel() for r in mine if r.param.ndim == 2 and r.reason != "embedding")
         layers = sum(m.startswith("layers.") for m in modules)

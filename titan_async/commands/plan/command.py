@@ -33,7 +33,7 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True, simulation: Si
     CPU processes (gloo, CPU Newton-Schulz dtype) in place of the cluster's GPUs; with
     `simulation`, each schedule simulated on the cluster under "simulation"."""
     check_world_size(run, cluster)
-    _check_mixture_of_experts(run, simulation)
+    _check_mixture_of_experts(run)
     name = run.parallelism.pipeline_parallel_schedule
     if name.lower() not in {known.lower() for known in SCHEDULE_NAMES}:
         raise UserError(
@@ -118,10 +118,10 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True, simulation: Si
     }
 
 
-def _check_mixture_of_experts(run: RunConfig, simulation: SimulationOptions | None) -> None:
+def _check_mixture_of_experts(run: RunConfig) -> None:
     """UserError, one line naming the key, for what `plan` does not estimate for MoE models yet:
-    tensor parallelism (the streaming schedules refuse it too) and --simulate. Expert
-    parallelism is estimated (its all-to-all bytes; `estimate.all_to_all_bytes`)."""
+    tensor parallelism (the streaming schedules refuse it too). Expert parallelism is estimated
+    (its all-to-all bytes; `estimate.all_to_all_bytes`)."""
     if run.model.family != "qwen3_moe":
         return
     p = run.parallelism
@@ -130,8 +130,6 @@ def _check_mixture_of_experts(run: RunConfig, simulation: SimulationOptions | No
             f"{run.source}: parallelism.tensor_parallel_degree = {p.tensor_parallel_degree}: plan estimates "
             "model.family = \"qwen3_moe\" without tensor parallelism so far; set it to 1"
         )
-    if simulation:
-        raise UserError(f"{run.source}: model.family = \"qwen3_moe\": plan --simulate does not simulate mixture-of-experts models yet")
 
 
 def run_plan(run: RunConfig, cluster: Cluster, strict: bool, as_json: bool, simulation: SimulationOptions | None = None) -> int:

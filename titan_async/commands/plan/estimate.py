@@ -349,8 +349,7 @@ def _all_to_all_note(setup: Setup, busiest: int) -> str:
         f"parallelism.expert_parallel_degree = {setup.ep}: per MoE block and microbatch, the token dispatch and "
         "combine in the forward and again in the backward (and in a full recomputation), each the top_k routed "
         f"copies of the rank's tokens, (ep - 1) / ep of them to other ranks under balanced routing; "
-        "the memory table counts each expert's weights as FSDP shards gathered over all data ranks, an upper "
-        "bound under EP, where a rank gathers only its own experts"
+        "FSDP gathers and reduces only a rank's own experts, over its expert group"
     )
 
 

@@ -7,12 +7,17 @@ simulated steps.
 Costs per pipeline rank (its stages as the config splits them; a schedule with v stages per
 rank gives each 1/v):
 - forward + backward of one microbatch: the stages' training FLOPs per GPU
-  (`optim.muon_cost.stage_costs`: 6 x matmul weights x tokens plus causal attention, / TP x CP)
-  at `mfu` x `peak_tflops`, split 1:2; full activation checkpointing adds a forward to the
-  backward (selective recomputation is not counted); a split backward gives I and W half each.
+  (`optim.muon_cost.stage_costs`: 6 x matmul weights x tokens plus causal attention, / TP x CP;
+  MoE experts count top_k / num_experts of their weights) at `mfu` x `peak_tflops`, split 1:2;
+  full activation checkpointing adds a forward to the backward (selective recomputation is not
+  counted); a split backward gives I and W half each. Under expert parallelism each token
+  all-to-all (`estimate.all_to_all_bytes`: dispatch and combine, 2 in the forward, 2 in the
+  backward, 2 more with full recomputation) adds its bytes over the link the EP group spans,
+  not overlapped.
 - optimizer step: Muon's Newton-Schulz FLOPs on the busiest rank of the stage's Muon group
-  at the same MFU, plus the element-wise update (ELEMENTWISE_PASSES passes over the rank's
-  weight shard in the parameter dtype, 2 more with error feedback) at HBM_BYTES_PER_S.
+  (MoE: `memory.expert_newton_schulz`, each expert's matrix on its own) at the same MFU, plus
+  the element-wise update (ELEMENTWISE_PASSES passes over the rank's weight shard in the
+  parameter dtype, 2 more with error feedback) at HBM_BYTES_PER_S.
 - messages between stages: the stage-boundary tensor of one microbatch on one GPU (tokens x
   dim in the compute dtype), over the intra-node link when both pipeline ranks' first GPUs are
   on one node, else the inter-node link.
@@ -33,8 +38,14 @@ from typing import Any
 
 import torch
 
-from titan_async.commands.plan.estimate import Cluster, Layout
-from titan_async.commands.plan.memory import Setup, StageShape, fsdp_traffic_bytes, reductions_per_step
+from titan_async.commands.plan.estimate import Cluster, Layout, all_to_all_bytes
+from titan_async.commands.plan.memory import (
+    Setup,
+    StageShape,
+    expert_newton_schulz,
+    fsdp_traffic_bytes,
+    reductions_per_step,
+)
 from titan_async.config.run_config import RunConfig, load_run_config
 from titan_async.core.errors import UserError
 from titan_async.optim.muon_cost import stage_costs
@@ -93,17 +104,29 @@ def rank_costs(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes: l
     )
     muon = run.optimizer.name == "muon"
     passes = ELEMENTWISE_PASSES + 2 * setup.error_feedback
+    tokens = p.pipeline_parallel_microbatch_size * run.training.seq_len
+    intra, inter = _links(options)
+    ep_link = intra if setup.ep <= cluster.gpus_per_node else inter
+    recomputed = setup.activation_checkpoint == "full"
     forward, backward, optimizer = [], [], []
     for rank, indices in enumerate(layout.rank_stages):
-        flops = sum(stages[i].training_flops for i in indices) / split / options.flops_per_s
-        recompute = flops / 3 if setup.activation_checkpoint == "full" else 0.0
-        forward.append(flops / 3)
-        backward.append(2 * flops / 3 + recompute)
-        newton_schulz = sum(stages[i].newton_schulz_flops for i in indices) if muon else 0
-        local = sum(shapes[i].params for i in indices) / (setup.weight_shards * setup.tp)
+        mine = [shapes[i] for i in indices]
+        flops = sum(stages[i].training_flops for i in indices)
+        if setup.num_experts:
+            flops += 6 * tokens * sum(s.expert_params for s in mine) * setup.top_k / setup.num_experts
+        flops /= split * options.flops_per_s
+        exchange = all_to_all_bytes(mine, setup, microbatches=1) / ep_link.bandwidth / (4 + 2 * recomputed)
+        forward.append(flops / 3 + 2 * exchange)
+        backward.append((2 + recomputed) * flops / 3 + (2 + 2 * recomputed) * exchange)
+        if not muon:
+            newton_schulz = 0
+        elif setup.num_experts:
+            newton_schulz = expert_newton_schulz(mine, setup)["busiest_owner_flops"]
+        else:
+            newton_schulz = sum(stages[i].newton_schulz_flops for i in indices)
+        local = sum(s.params for s in mine) / (setup.weight_shards * setup.tp)
         optimizer.append(newton_schulz / options.flops_per_s + passes * local * setup.param_bytes / HBM_BYTES_PER_S)
     gpus = layout.gpus_per_pp_rank(cluster.world_size)
-    intra, inter = _links(options)
     return Costs(
         tuple(forward), tuple(backward), tuple(optimizer),
         message_bytes=setup.tokens * setup.dim * setup.compute_bytes,
@@ -191,6 +214,9 @@ def simulate_plan(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes
         "selected": row.result.name.lower() == layout.schedule.lower(),
     } for row in rows]
     assumptions = traced_assumptions(options.costs_from, costs) if options.costs_from else flop_assumptions(options, costs, seconds)
+    if setup.num_experts and not options.costs_from:
+        assumptions.append(f"mixture of experts: the experts count {setup.top_k} / {setup.num_experts} of their weights; "
+                           "under expert parallelism every token all-to-all waits for its bytes over the EP group's link")
     return {"schedules": schedules, "skipped": skipped, "costs": asdict(costs), "assumptions": assumptions}
 
 
