@@ -267,6 +267,9 @@ def test_moe_streaming_run_resumes_exactly(runs, request, tmp_path):
      "parallelism.expert_parallel_degree (2) applies to model.family = \"qwen3_moe\" only"),
     ("4", ["parallelism.tensor_parallel_degree=2"], "parallelism.tensor_parallel_degree is 2, set it to 1"),
     ("2", ["model.top_k=9"], "model.top_k (9) must be between 1 and model.num_experts (8)"),
+    ("2", ["model.expert_precision=half"], "model.expert_precision"),
+    ("2", ["model.family=llama3", "model.num_experts=-1", "model.top_k=-1", "model.moe_hidden_dim=-1", "model.expert_precision=full"],
+     "model.expert_precision applies to model.family = \"qwen3_moe\" only"),
 ])
 def test_a_moe_layout_the_schedules_do_not_run_yet_is_one_line(tmp_path, capsys, processes, assignments, named):
     status, out, err = cli_in_process(capsys, "train", "--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--nproc-per-node", processes,

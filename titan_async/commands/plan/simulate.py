@@ -97,14 +97,14 @@ def rank_costs(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes: l
     """The simulation's costs of every pipeline rank of `layout` (module docstring)."""
     p = run.parallelism
     split = setup.tp * p.context_parallel_degree
+    tokens = p.pipeline_parallel_microbatch_size * run.training.seq_len
     stages = stage_costs(
         route_parameters(model), layout.stage_modules, fsdp=setup.muon_group, ns_steps=setup.ns_steps,
         ns_dtype=getattr(torch, setup.ns_dtype), state_bytes=setup.param_bytes,
-        tokens=p.pipeline_parallel_microbatch_size * run.training.seq_len, seq_len=run.training.seq_len, dim=setup.dim,
+        tokens=tokens, seq_len=run.training.seq_len, dim=setup.dim,
     )
     muon = run.optimizer.name == "muon"
     passes = ELEMENTWISE_PASSES + 2 * setup.error_feedback
-    tokens = p.pipeline_parallel_microbatch_size * run.training.seq_len
     intra, inter = _links(options)
     ep_link = intra if setup.ep <= cluster.gpus_per_node else inter
     recomputed = setup.activation_checkpoint == "full"
