@@ -28,6 +28,21 @@ TINY = [
 ]
 
 
+SLOWEST_FILES = ("test_default_run.py", "test_moe.py", "test_fsdp_schedules.py", "test_tensor_parallel.py",
+                 "test_schedules.py", "test_replicas_and_accumulation.py", "test_bench_schedules.py",
+                 "test_fault_tolerance.py")
+"""Files with the longest multi-process runs (`--durations`), slowest first. Under `-n 2 --dist
+loadfile --no-loadscope-reorder` (pyproject's addopts) xdist hands out whole files in collection
+order, so these start first and the many short files fill in around them; in xdist's default
+order (most tests first) a long file with few tests started last and ran alone for minutes."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """`SLOWEST_FILES` first, in that order; every other file after them, as collected."""
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOWEST_FILES)))
+
+
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
