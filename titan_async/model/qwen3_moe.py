@@ -40,7 +40,7 @@ class FullPrecisionExperts(GroupedExperts):
 
     @dataclass(kw_only=True, slots=True)
     class Config(GroupedExperts.Config):
-        pass
+        """GroupedExperts' fields; builds a `FullPrecisionExperts`."""
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         w1, w3, w2 = ((w.to_local() if isinstance(w, DTensor) else w).transpose(-2, -1)
