@@ -1,7 +1,9 @@
 """The one place where titan-async adapts torchtitan to the machine it runs on.
 
 On a machine with a CUDA device nothing is changed: torchtitan's own defaults
-(FlexAttention, NCCL) stay. On a machine without one, `configure()` must run
+(FlexAttention, NCCL) stay. Which machine this is is asked of NVML, never of the CUDA
+runtime, so that the launcher's processes stay fork-safe (`cuda_visible`,
+`fork_keeps_cuda`). On a machine without one, `configure()` must run
 before torchtitan is first imported; it makes torchtitan pick device type "cpu"
 (and so the gloo backend) and closes the gaps torch 2.15 still has on CPU:
 memory statistics, a string-valued `current_device()`, and the PREMUL_SUM
@@ -11,6 +13,7 @@ reduce-scatter that gloo rejects. The attention swap for CPU lives in
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import resource
@@ -32,7 +35,7 @@ def configure() -> str:
     global _device_type
     if _device_type is not None:
         return _device_type
-    if torch.cuda.is_available():
+    if cuda_visible():
         _device_type = "cuda"
         return _device_type
     if "torchtitan.tools.utils" in sys.modules:
@@ -40,12 +43,48 @@ def configure() -> str:
             "titan_async.core.platform.configure() must run before torchtitan is imported"
         )
     torch._utils._get_available_device_type = lambda: "cpu"
+    torch.cuda.is_available = lambda: False  # torch would ask the CUDA runtime where NVML is absent
     _add_cpu_memory_stats()
     _patch_fsdp_premul_sum()
     _quiet_cpu_warnings()
     torch.set_num_threads(_cpu_threads())
     _device_type = "cpu"
     return _device_type
+
+
+def cuda_visible() -> bool:
+    """Whether this process sees a CUDA device, decided without initialising the CUDA runtime
+    where NVML can answer (torch's NVML count, CUDA_VISIBLE_DEVICES applied); no NVIDIA
+    management library means no NVIDIA driver, so no device. Only where NVML is present but
+    cannot count (MIG devices, ROCm) does the CUDA runtime answer, and processes forked from
+    this one then cannot use CUDA (`fork_keeps_cuda`)."""
+    if not torch.cuda._is_compiled():
+        return False
+    if not torch.version.hip:
+        count = torch.cuda._device_count_nvml()
+        if count >= 0:
+            return count > 0
+        try:
+            ctypes.CDLL("libnvidia-ml.so.1")
+        except OSError:
+            return False
+    return torch._C._cuda_getDeviceCount() > 0
+
+
+def fork_keeps_cuda() -> bool:
+    """Whether a process forked from this one could use CUDA: False once this process has made
+    a CUDA runtime call (torch marks every child forked after one). Asked of a child that exits
+    at once (a fork costs milliseconds: its memory is shared until written)."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(int(forked_after_cuda()))
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+def forked_after_cuda() -> bool:
+    """Whether this process was forked from one that had made a CUDA runtime call: its first
+    CUDA call would fail ("Cannot re-initialize CUDA in forked subprocess")."""
+    return bool(getattr(torch._C, "_cuda_isInBadFork", lambda: False)())
 
 
 def is_cpu() -> bool:

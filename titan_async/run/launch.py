@@ -8,6 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
+from titan_async.core import platform
 from titan_async.run import worker
 from titan_async.run.process import (
     become_single_process,
@@ -46,8 +47,9 @@ def run(run_dir: Path, nproc_per_node: int, verbose: bool, run_config=None, max_
 
 class ForkedAgent:
     """torch's elastic agent (torchrun's `--standalone` configuration) in a forked child that
-    forks the workers in turn, so that neither re-imports torch and torchtitan: this process has
-    imported them to check the run, and each import costs seconds on a small machine.
+    forks the workers in turn (`start_method`), so that neither re-imports torch and torchtitan:
+    this process has imported them to check the run, and each import costs seconds on a small
+    machine. The agent itself never uses CUDA.
 
     The agent runs in a session of its own: a Ctrl-C in the terminal reaches this process only,
     which asks the workers to stop (`GracefulStop`); torch's agent would meet it with a
@@ -89,7 +91,7 @@ def _agent(run_dir: Path, nproc_per_node: int, verbose: bool, max_restarts: int)
 
     args = torchrun.parse_args([  # the module named last is torchrun's required argument; the entrypoint below runs
         "--standalone", f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}",
-        "--start-method=fork", "-m", "titan_async.run.worker",
+        f"--start-method={start_method()}", "-m", "titan_async.run.worker",
     ])
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if max_restarts:
@@ -103,6 +105,18 @@ def _agent(run_dir: Path, nproc_per_node: int, verbose: bool, max_restarts: int)
         print(failure.format_msg(), file=sys.stderr)
         return 1
     return 0
+
+
+def start_method() -> str:
+    """How the agent starts the workers: "fork" (no re-import of torch and torchtitan: seconds
+    saved per start on a small machine), or "spawn" once this process has made a CUDA runtime
+    call, after which forked workers could not use CUDA. The launcher's own checks ask NVML
+    (`platform.cuda_visible`), but a library may still reach the runtime (a float8 capability
+    check on a GPU node), so the fork is tried rather than trusted."""
+    if platform.fork_keeps_cuda():
+        return "fork"
+    say("this process has initialised CUDA, so the workers start by spawn (each imports torch and torchtitan again)")
+    return "spawn"
 
 
 ABORTED = 130

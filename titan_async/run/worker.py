@@ -49,6 +49,16 @@ def _setup_logging(run_dir: Path, verbose: bool) -> None:
     root.addFilter(DropMessages("model.safetensors.index.json not found", "Pipeline Parallel loss is not visible"))
 
 
+def _check_cuda_usable() -> None:
+    """Log whether this worker can use CUDA after its start; on a GPU, refuse to train when it
+    cannot (forked from a process that had made a CUDA call), naming the cause."""
+    bad_fork = platform.forked_after_cuda()
+    logging.getLogger("titan_async").info(f"worker pid {os.getpid()}: forked after a CUDA call: {'yes' if bad_fork else 'no'}")
+    if bad_fork and not platform.is_cpu():
+        raise RuntimeError("this worker was forked from a process that had made a CUDA call, so it cannot use CUDA; "
+                           "start workers by spawn (torchrun --start-method spawn) or keep the launcher off CUDA")
+
+
 def _resume_point(run_dir: Path, run):
     """`run` set to load the run's latest intact checkpoint (torchtitan would take the latest
     with a .metadata file), unless `checkpoint.load_step` names one. After an elastic restart
@@ -81,6 +91,7 @@ def train(run_dir: Path, verbose: bool = False, run=None) -> int:
     platform.configure()
     comm_log.install_from_environment()
     _setup_logging(run_dir, verbose)
+    _check_cuda_usable()
     import datasets
 
     datasets.disable_progress_bars()
