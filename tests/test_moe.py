@@ -18,6 +18,7 @@ the run.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 
 import pytest
@@ -27,7 +28,7 @@ import transformers
 from torchtitan.models.common.moe import GroupedExperts
 
 import nccl_model
-from conftest import CONFIGS, cli_in_process, metrics, run_cli, sets
+from conftest import CONFIGS, TINY, cli_in_process, metrics, run_cli, sets
 from test_fsdp_schedules import rank_records, train
 from test_benchmark_eval import OFFLINE, TASK, reference, write_task
 from test_hf_export import export_cli, hf_logits, loaders, titan_model
@@ -211,6 +212,42 @@ def test_paci_moe_with_expert_parallel_and_clipping_equals_its_emulation(ep_paci
     assert_close_weights({k: result[k] for k in dense}, {k: expected[k] for k in dense}, rel=1e-5)
     assert_experts_close(result, expected, rel=1e-5)
     assert_all_to_all_in_the_log(pipelined)
+
+
+def hsdp_ep_all_reduce_bytes(stage: int) -> int:
+    """The float32 gradient bytes one rank of pipeline rank `stage` all-reduces across the replicas
+    per update under PP 2 x replicas 2 x FSDP 2 x EP 2 with TINY's sizes (dim 64, 4 blocks, 4
+    heads = 4 KV heads), vocabulary 2048 and 8 experts of hidden 64: half its stage's dense weights
+    (FSDP 2; every dim-0 is even, so nothing is padded) and, whole, the 4 experts of each of its 2
+    blocks that it holds (EP 2 leaves one expert-FSDP rank). A block's dense weights are its fused
+    QKV and output projections, 2 norms, the QK norms (head dim) and the router gate; stage 0
+    adds the embedding, stage 1 the final norm and the output head."""
+    dim, head_dim, vocab, experts, hidden, blocks = 64, 16, 2048, 8, 64, 2
+    block = dim * 3 * dim + dim * dim + 2 * dim + 2 * head_dim + experts * dim
+    dense = blocks * block + vocab * dim + (dim if stage == 1 else 0)
+    held_experts = blocks * (experts // 2) * 3 * hidden * dim
+    return 4 * (dense // 2 + held_experts)
+
+
+def test_2bw_moe_with_hsdp_and_expert_parallel_all_reduces_dense_and_expert_shards_across_replicas(tmp_path):
+    """PP 2 x replicas 2 x FSDP 2 x EP 2 (8 processes): an MoE block is one FSDP unit with two
+    parameter groups (the dense weights on the replicate x shard mesh, the experts on the
+    replicate x expert-FSDP mesh), each all-reducing its reduced shard across the replicas. The
+    run trains 3 steps with finite losses, and every rank counts the bytes of both groups'
+    all-reduces once per update (under 2BW stage 0 reduces its last update in the drain, so the
+    steps' sum is compared; ranks 0-3 hold stage 0)."""
+    steps = 3
+    run_dir = tmp_path / "run"
+    run_cli("train", *PP2_EP2[:2], "--nproc-per-node", "8", "--run-dir", str(run_dir),
+            *sets(*TINY, *MOE, "parallelism.pipeline_parallel_schedule=PipeDream2BW", *EP2,
+                  "parallelism.data_parallel_replicate_degree=2", f"training.steps={steps}", "checkpoint.enable=false"))
+    losses = {step: row["loss_metrics/global_avg_loss"] for step, row in metrics(run_dir).items()}
+    assert sorted(losses) == list(range(1, steps + 1)) and all(math.isfinite(loss) for loss in losses.values()), losses
+    records = rank_records(run_dir)
+    assert sorted(records) == list(range(8))
+    for rank, rows in records.items():
+        assert [r["step"] for r in rows] == list(range(1, steps + 1))
+        assert sum(r["replica_all_reduce_bytes"] for r in rows) == steps * hsdp_ep_all_reduce_bytes(rank // 4), rank
 
 
 def test_plan_predicts_the_all_to_all_bytes_the_expert_parallel_run_sent(ep_paci, capsys):

@@ -90,14 +90,16 @@ def test_ten_b_moe_newton_schulz_per_expert_matrix_batched_per_shape(capsys):
 
 
 @pytest.mark.parametrize("config, gpus, extra", [("debug_cpu_pp2_fsdp2", 4, ()), ("debug_cpu_pp2", 2, ()),
-                                                 ("debug_cpu_pp2_fsdp2", 4, ("parallelism.expert_parallel_degree=2",))],
-                         ids=["fsdp2", "plain", "fsdp2-ep2"])
+                                                 ("debug_cpu_pp2_fsdp2", 4, ("parallelism.expert_parallel_degree=2",)),
+                                                 ("debug_cpu_pp2_fsdp2", 8, ("parallelism.expert_parallel_degree=2",
+                                                                             "parallelism.data_parallel_replicate_degree=2"))],
+                         ids=["fsdp2", "plain", "fsdp2-ep2", "hsdp-ep2"])
 def test_small_moe_estimate_equals_the_dry_runs_allocation_per_component(config, gpus, extra, capsys):
-    """PP 2 x FSDP 2 (FSDP2's side shard), PP 2 alone (plain parameters, both versions whole) and
+    """PP 2 x FSDP 2 (FSDP2's side shard), PP 2 alone (plain parameters, both versions whole),
     PP 2 x EP 2 (each rank 4 whole experts, the dense weights FSDP-sharded, built as the trainer
-    builds it): weights, expert weights, the second version with the expert biases and gradients
-    to the byte; Muon's momenta, AdamW's moments and error feedback's state up to their 0-dim
-    step counters."""
+    builds it) and the same with 2 replicas of each stage (HSDP x EP, 8 GPUs): weights, expert
+    weights, the second version with the expert biases and gradients to the byte; Muon's momenta,
+    AdamW's moments and error feedback's state up to their 0-dim step counters."""
     result = small_moe(capsys, config, gpus, *extra)
     assert result["warnings"] == []
     inspected = result["dry_run"]["ranks"]

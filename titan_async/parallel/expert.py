@@ -14,7 +14,9 @@ forwards and backwards, where they belong to exactly one microbatch, so the sche
 change, and the rest of the stage's step is made EP-aware where it must be: clipping
 (`clip_grad_norm_(..., ep_enabled=True)`: the expert and dense norms are reduced over their own
 meshes), Muon (`optim/full_matrix.py` gathers each expert stack over its mesh and orthogonalises
-each expert's matrix), FSDP's byte counts (`fsdp_traffic`, one counter per parameter group).
+each expert's matrix), FSDP's byte counts (`fsdp_traffic`, one counter per parameter group,
+the replica all-reduce's too: with `data_parallel_replicate_degree` > 1 both groups all-reduce
+their reduced shard across the replicas).
 
 The one choice this module makes is the SPMD backend of an EP run: `partial_dtensor`, whatever
 `parallelism.spmd_backend` says. torchtitan's default, `spmd_types`, cannot run EP here, for two

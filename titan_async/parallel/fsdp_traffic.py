@@ -9,7 +9,7 @@ the parameters gathered and of the gradients reduced, per rank. Units of a one-r
 group issue no collective and count nothing. With replicas (DDP or HSDP) FSDP all-reduces
 the reduced gradient shard across them; torch has no custom all-reduce, so its bytes are
 counted by an all-reduce hook (`set_all_reduce_hook`, which runs right after it and adds no
-collective).
+collective), set on each parameter group that all-reduces.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 from titan_async.parallel.fsdp_stage import FsdpStage
 
@@ -80,14 +81,21 @@ def count_fsdp_traffic(modules: list[torch.nn.Module]) -> FsdpTraffic | None:
         return None
     traffic = FsdpTraffic()
     for stage in stages:
-        for unit, state in zip(stage.modules, stage.states):  # one module per unit: wrapping twice counts twice
-            # Each parameter group of the unit gets its own counted copy of its collectives:
-            # under expert parallelism an MoE block is one unit with two groups (the dense
-            # weights on the data mesh, the experts on the expert-data mesh), where torch's
-            # `set_custom_all_gather` refuses to choose one comm for both.
+        for state in stage.states:  # one state per unit: wrapping twice counts twice
+            # Each parameter group of the unit gets its own counted copy of its collectives and
+            # its own all-reduce hook: under expert parallelism an MoE block is one unit with two
+            # groups (the dense weights on the data mesh, the experts on the expert-data mesh),
+            # where torch's `set_custom_all_gather` and `set_all_reduce_hook` refuse to choose one
+            # for both. The hook is set per group as `set_all_reduce_hook` sets it, and only where
+            # the group all-reduces: FSDP calls a group's hook after its reduce-scatter otherwise.
             for group in state._fsdp_param_groups:
                 group._all_gather_comm = _CountedAllGather(group._all_gather_comm, traffic)
                 group._reduce_scatter_comm = _CountedReduceScatter(group._reduce_scatter_comm, traffic)
-            if any(isinstance(g.mesh_info, DDPMeshInfo) and g.mesh_info.replicate_mesh_size > 1 for g in state._fsdp_param_groups):
-                unit.set_all_reduce_hook(traffic.count_all_reduce)
+                if _all_reduces_across_replicas(group):
+                    group._all_reduce_hook = traffic.count_all_reduce
     return traffic
+
+
+def _all_reduces_across_replicas(group: FSDPParamGroup) -> bool:
+    """Whether FSDP all-reduces this parameter group's reduced shard across more than one replica."""
+    return isinstance(group.mesh_info, DDPMeshInfo) and group.mesh_info.replicate_mesh_size > 1
