@@ -223,14 +223,19 @@ def live_bytes(records: list[dict]) -> int:
 def assert_nccl_safe(directory: Path, stages: int, bounded: bool = True, ranks_per_stage: int = 1) -> None:
     """The run logged in `directory` (rank r holds stage r // ranks_per_stage: the pipeline is
     the outermost mesh dimension) completes under the model without a size mismatch, also with
-    a device-wide synchronisation before any one send; with `bounded`, a rank of stage s never
-    has more than p - s single sends or receives per peer direction outstanding (w + 1 for
-    w = p-1-s microbatches in flight)."""
+    a device-wide synchronisation before any one send, and replayed in device time no stage's
+    compute waits on a collective with other stages outside drains (`device_replay`); with
+    `bounded`, a rank of stage s never has more than p - s single sends or receives per peer
+    direction outstanding (w + 1 for w = p-1-s microbatches in flight)."""
+    import device_replay  # it builds on this model
+
     logs = read_logs(directory)
     assert sorted(logs) == list(range(stages * ranks_per_stage)), sorted(logs)
     result = replay(logs)
     assert not result.mismatches and not result.deadlocked, (result.completed, result.total, result.stuck, result.mismatches[:3])
     assert_safe_under_device_syncs(logs)
+    in_time = device_replay.replay(logs, lambda rank: rank // ranks_per_stage)
+    assert not in_time.stuck and not in_time.stalls, (in_time.stuck, in_time.stalls[:4])
     if bounded:
         for rank, records in logs.items():
             most = outstanding(records)

@@ -7,6 +7,7 @@ import statistics
 
 import pytest
 
+import device_replay
 import nccl_model
 from conftest import CONFIGS, TINY, cli_in_process, losses, metrics, run_cli, sets
 from test_schedules import STEPS, assert_close_weights, assert_same_run, final_weights
@@ -28,6 +29,7 @@ def test_2bw_with_fsdp_equals_delayed_reference_with_fsdp(tmp_path):
     assert_same_run(reference, pipelined)
     assert_close_weights(final_weights(pipelined), final_weights(reference))
     nccl_model.assert_nccl_safe(pipelined / "comm", stages=2, ranks_per_stage=2)  # FSDP's collectives and the pipeline's sends
+    device_replay.assert_flows_as_simulated(pipelined / "comm", "PipeDream2BW", stages=2, microbatches=4, ranks_per_stage=2)
 
 
 def test_paci_with_fsdp_equals_its_emulation_with_fsdp(tmp_path):

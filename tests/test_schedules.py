@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
 import torch
 
+import device_replay
 import nccl_model
 from conftest import CONFIGS, TINY, checkpoint_weights, cli_in_process, losses, metrics, run_cli, sets
 from titan_async.config.run_config import load_run_config
@@ -141,7 +143,17 @@ def test_2bw_equals_delayed_gradient_reference(tmp_path, capsys, delayed_referen
     reference, pipelined = final_weights(delayed_reference), final_weights(run)
     assert_close_weights(pipelined, reference)
     nccl_model.assert_nccl_safe(run / "comm", stages)  # windows, drains, validation and checkpoints
+    device_replay.assert_flows_as_simulated(run / "comm", "PipeDream2BW", stages, microbatches=8)
+    # The control: the stop agreement as main ran it on CUDA (an all-reduce over every stage,
+    # waited on the compute stream at once) stalls each stage at each step boundary.
+    as_before = device_replay.replay(device_replay.with_immediate_world_waits(nccl_model.read_logs(run / "comm")), lambda rank: rank)
+    assert {rank for rank, _ in map(stall_rank_and_step, as_before.stalls)} == set(range(stages - 1)), as_before.stalls
     assert_plan_bounds_transport(capsys, run, stages)
+
+
+def stall_rank_and_step(stall: str) -> tuple[int, int]:
+    rank, step = re.match(r"rank (\d+), step (\d+)", stall).groups()
+    return int(rank), int(step)
 
 
 def assert_plan_bounds_transport(capsys, run, stages: int) -> None:
@@ -196,6 +208,7 @@ def test_streaming_schedule_equals_its_single_process_emulation(tmp_path, schedu
     assert_same_run(emulated, pipelined)
     assert_close_weights(final_weights(pipelined), final_weights(emulated))
     nccl_model.assert_nccl_safe(pipelined / "comm", stages)
+    device_replay.assert_flows_as_simulated(pipelined / "comm", schedule, stages, microbatches=8)
 
 
 def test_paci_accumulation_changes_the_update_timing(tmp_path):

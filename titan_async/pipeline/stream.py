@@ -16,6 +16,7 @@ import torch
 
 from titan_async.pipeline import actions as plan
 from titan_async.pipeline.executor import Microbatch, StageExecutor
+from titan_async.run import comm_log
 
 
 class StreamEngine:
@@ -78,6 +79,7 @@ class StreamEngine:
         """Run the backwards still in flight, so no microbatch crosses this point."""
         if self.drained:
             return
+        comm_log.note({"op": "drain"})
         window = self.window
         self._run(lambda stage: plan.drain_actions(stage, self.num_stages, self.microbatches, window), {})
         for executor in self.executors:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from titan_async.run import comm_log
+
 Mark = tuple[float, object]
 """A point in time: host seconds, and on CUDA the event recorded on the current stream there."""
 
@@ -65,6 +67,7 @@ class Timeline:
 
     @contextmanager
     def action(self, name: str):
+        comm_log.note({"op": "compute", "action": name})
         start = self._mark()
         yield
         self.pending.append((name, start, self._mark()))

@@ -9,9 +9,15 @@ own helpers are seen too) and records, per call:
 - `{"op": "batch", "id", "group", "ops": [{"op", "peer", "bytes"}, ...]}` for batch_isend_irecv
   (one coalesced launch, as NCCL runs it);
 - `{"op": "coll", "id", "group", "kind", "bytes"}` for collectives;
-- `{"op": "wait", "id"}` when the work of operation `id` is waited on (blocking calls
-  record their operation and a wait);
-- `{"op": "group", "group", "ranks"}` once per process group, its global ranks.
+- `{"op": "wait", "id", "stream"}` when the work of operation `id` is waited on (blocking calls
+  record their operation and a wait): `"stream": "compute"` when the wait orders the compute
+  stream after the work (every wait on CUDA unless made on a side stream), `"side"` when it
+  was made inside `on_side_stream` and orders only that side stream;
+- `{"op": "group", "group", "ranks"}` once per process group, its global ranks;
+- `{"op": "compute", "action"}` when a pipeline action is issued (`trace.Timeline` names:
+  `<stage>F<k>`, `<stage>B<k>`, `<stage>O<step>`), `{"op": "step", "step"}` when a training step
+  starts and `{"op": "drain"}` when a streaming schedule drains (`note`): what a replay in device
+  time needs besides the communication.
 
 Peers are global ranks. torch 2.15's FSDP2 gathers and reduces through
 `all_gather_single` and `reduce_scatter_single`, which are recorded like the others.
@@ -28,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -60,7 +67,7 @@ class _RecordedWork:
         self._work, self._id, self._log = work, op_id, log
 
     def wait(self, *args, **kwargs):
-        self._log.write({"op": "wait", "id": self._id})
+        self._log.write_wait(self._id)
         return self._work.wait(*args, **kwargs)
 
     def __getattr__(self, name):
@@ -81,6 +88,9 @@ class CommLog:
     def write(self, record: dict) -> None:
         with self.lock:
             self.file.write(json.dumps(record) + "\n")
+
+    def write_wait(self, op_id: int) -> None:
+        self.write({"op": "wait", "id": op_id, "stream": "side" if getattr(self.local, "side", False) else "compute"})
 
     def new_id(self) -> int:
         with self.lock:
@@ -109,7 +119,7 @@ class CommLog:
         finally:
             self.local.depth -= 1
         if blocking:
-            self.write({"op": "wait", "id": op_id})
+            self.write_wait(op_id)
             return result
         if isinstance(result, list):
             return [_RecordedWork(work, op_id, self) for work in result]
@@ -183,6 +193,27 @@ class _LoggedFunctionalOp:
 
 
 _installed: CommLog | None = None
+
+
+@contextmanager
+def on_side_stream(stream_context):
+    """Enter `stream_context` (a side stream, or nothing on the CPU); the waits made inside are
+    logged as the side stream's, which orders no compute."""
+    log = _installed
+    if log is not None:
+        log.local.side = True
+    try:
+        with stream_context:
+            yield
+    finally:
+        if log is not None:
+            log.local.side = False
+
+
+def note(record: dict) -> None:
+    """Write `record` (compute, step and drain markers) when the log is installed."""
+    if _installed is not None:
+        _installed.write(record)
 
 
 def install(directory: Path, rank: int) -> CommLog:

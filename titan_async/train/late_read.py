@@ -1,8 +1,13 @@
-"""Reading a device value on the host without waiting for the work queued after it."""
+"""Reading device values on the host without waiting for the work queued after them."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
+import torch.distributed as dist
+
+from titan_async.run import comm_log
 
 
 class LateRead:
@@ -28,3 +33,42 @@ class LateRead:
         if self.copied is not None:
             self.copied.synchronize()
         return self.host.tolist()
+
+
+class LateMax:
+    """The maximum of `value` over `group`'s ranks, started now and read later (at the next step
+    boundary), without ever holding up a compute stream.
+
+    The all-reduce is issued, waited on and copied to the host on a side stream (CUDA), which
+    alone is ordered after it; on the CPU the same calls come in the same order. `read` waits
+    for the all-reduce, which every rank started a step earlier, and for its copy, never for the
+    compute queued since: no rank's compute waits at a step boundary for another rank's.
+    """
+
+    _side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def __init__(self, value: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+        self.value, self.side = value, self._side_stream(value.device)
+        with self._on_side():
+            if self.side is not None:
+                self.side.wait_stream(torch.cuda.current_stream(value.device))  # `value` was written on the compute stream
+            self.work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+    def read(self) -> list:
+        """The maximum as a (nested) Python list."""
+        with self._on_side():
+            self.work.wait()
+            copy = LateRead(self.value)
+        return copy.read()
+
+    def _on_side(self):
+        stream = torch.cuda.stream(self.side) if self.side is not None else nullcontext()
+        return comm_log.on_side_stream(stream)
+
+    @classmethod
+    def _side_stream(cls, device: torch.device) -> torch.cuda.Stream | None:
+        if device.type != "cuda":
+            return None
+        if device not in cls._side_streams:
+            cls._side_streams[device] = torch.cuda.Stream(device)
+        return cls._side_streams[device]

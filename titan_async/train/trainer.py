@@ -19,7 +19,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,9 +47,10 @@ from titan_async.pipeline.stream import StreamEngine
 from titan_async.pipeline.trace import Timeline, trace_torch_stages
 from titan_async.pipeline.transport import LocalTransport
 from titan_async.pipeline.versions import LocalAccumulation, OneStepDelay, TwoVersions, make_policy, two_versions
+from titan_async.run import comm_log
 from titan_async.train.benchmarks import EvalSection, PeriodicBenchmarks
 from titan_async.train.health import HealthGuard, HealthSection, skips_on_device
-from titan_async.train.late_read import LateRead
+from titan_async.train.late_read import LateMax
 from titan_async.train.wandb_runs import rank_run
 
 
@@ -124,7 +124,7 @@ class StopRequest:
     def __init__(self) -> None:
         self.reason: str | None = None
         self.signals = 0
-        self.pending: Callable[[], int] | None = None
+        self.pending: LateMax | None = None
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
@@ -144,26 +144,15 @@ class StopRequest:
     def agreed(self, device: torch.device) -> str | None:
         """The reason to stop that any rank had at its previous call, on every rank.
 
-        Each call starts one all-reduce and reads the previous call's, which has long finished:
-        a step boundary is then no synchronisation point, so a streaming pipeline keeps flowing
-        across it. On CUDA the result is copied to pinned host memory behind the all-reduce and
-        read through an event, so the host waits for the previous step's end, never for the
-        work it has queued since. A stop takes effect one step after the request."""
-        code = torch.full((1,), self.REASONS.index(self.reason), device=device)
+        Each call starts one all-reduce and reads the previous call's, which every rank started
+        a step ago (`LateMax`): a step boundary is then no synchronisation point, on the host or
+        on a device, so a streaming pipeline keeps flowing across it. A stop takes effect one
+        step after the request."""
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return self.reason
-        previous, self.pending = self.pending, _start_max(code)
-        return None if previous is None else self.REASONS[previous()]
-
-
-def _start_max(value: torch.Tensor) -> Callable[[], int]:
-    """Start an all-reduce (max) of a one-element tensor; returns the function that reads the result."""
-    work = dist.all_reduce(value, op=dist.ReduceOp.MAX, async_op=True)
-    if value.device.type != "cuda":
-        return lambda: (work.wait(), int(value.item()))[1]
-    work.wait()  # on NCCL this orders the current stream after the all-reduce; the host goes on
-    result = LateRead(value)
-    return lambda: int(result.read()[0])
+        code = torch.full((1,), self.REASONS.index(self.reason), device=device)
+        previous, self.pending = self.pending, LateMax(code)
+        return None if previous is None else self.REASONS[int(previous.read()[0])]
 
 
 class AsyncTrainer(Trainer):
@@ -366,6 +355,7 @@ class AsyncTrainer(Trainer):
         return step >= config.training.steps or checkpoint or validation
 
     def train_step(self, data_iterator) -> None:
+        comm_log.note({"op": "step", "step": self.step})
         self.metrics_processor.start_training_step()
         if self.stream is not None:
             self._streaming_train_step(data_iterator)

@@ -1,0 +1,89 @@
+"""The device-time replay against timelines worked out by hand."""
+
+from __future__ import annotations
+
+import device_replay
+
+GROUPS = [{"op": "group", "group": "w", "ranks": [0, 1]}, {"op": "group", "group": "p", "ranks": [0, 1]}]
+
+
+def two_stages(agreement_wait: str) -> dict[int, list[dict]]:
+    """Two stages, two one-microbatch windows each, then a drain (as at a run's end); a world
+    all-reduce at each step boundary, waited either at once on the compute stream ("compute")
+    or a step later on a side stream ("side")."""
+    def boundary(rank: int, issue: int, wait: int | None) -> list[dict]:
+        records = [{"op": "coll", "kind": "all_reduce", "group": "w", "bytes": 8, "id": issue}]
+        if agreement_wait == "compute":
+            records.append({"op": "wait", "id": issue, "stream": "compute"})
+        elif wait is not None:
+            records.append({"op": "wait", "id": wait, "stream": "side"})
+        return records
+
+    first = [
+        *GROUPS,
+        {"op": "step", "step": 1}, {"op": "compute", "action": "0F0"},
+        {"op": "send", "group": "p", "peer": 1, "bytes": 4, "id": 1},
+        {"op": "recv", "group": "p", "peer": 1, "bytes": 4, "id": 2}, {"op": "wait", "id": 2, "stream": "compute"},
+        {"op": "compute", "action": "0B0"}, *boundary(0, 3, None),
+        {"op": "step", "step": 2}, {"op": "compute", "action": "0F1"},
+        {"op": "send", "group": "p", "peer": 1, "bytes": 4, "id": 4},
+        {"op": "recv", "group": "p", "peer": 1, "bytes": 4, "id": 5}, {"op": "wait", "id": 5, "stream": "compute"},
+        {"op": "compute", "action": "0B1"}, {"op": "drain"}, *boundary(0, 6, 3),
+    ]
+    last = [
+        *GROUPS,
+        {"op": "step", "step": 1},
+        {"op": "recv", "group": "p", "peer": 0, "bytes": 4, "id": 1}, {"op": "wait", "id": 1, "stream": "compute"},
+        {"op": "compute", "action": "1F0"}, {"op": "compute", "action": "1B0"},
+        {"op": "send", "group": "p", "peer": 0, "bytes": 4, "id": 2}, *boundary(1, 3, None),
+        {"op": "step", "step": 2},
+        {"op": "recv", "group": "p", "peer": 0, "bytes": 4, "id": 4}, {"op": "wait", "id": 4, "stream": "compute"},
+        {"op": "compute", "action": "1F1"}, {"op": "compute", "action": "1B1"},
+        {"op": "send", "group": "p", "peer": 0, "bytes": 4, "id": 5}, {"op": "drain"}, *boundary(1, 6, 3),
+    ]
+    return {0: first, 1: last}
+
+
+def test_times_of_a_two_stage_stream_worked_by_hand():
+    """F = 1, B = 2. Rank 0: 0F0 [0, 1]; its gradient arrives when 1B0 ends (1 + 1 + 2 = 4), so
+    0B0 runs [4, 6]; the next 0F1 may start at 6. Rank 1: 1F0 [1, 2], 1B0 [2, 4]; the next
+    activation is sent after 0F1 [6, 7], so 1F1 runs [7, 8]."""
+    result = device_replay.replay(two_stages("side"), lambda rank: rank)
+    assert not result.stuck and not result.stalls
+    assert result.ranks[0].actions == [("0F0", 0, 1), ("0B0", 4, 6), ("0F1", 6, 7), ("0B1", 10, 12)]
+    assert result.ranks[1].actions == [("1F0", 1, 2), ("1B0", 2, 4), ("1F1", 7, 8), ("1B1", 8, 10)]
+    assert result.ranks[0].window_end == {1: 6, 2: 12}
+
+
+def slower_last_stage(logs: dict[int, list[dict]]) -> dict[int, list[dict]]:
+    """Five optimizer steps of 0.5 on rank 1 before its first all-reduce: it issues it at 6.5,
+    after rank 0 (at 6)."""
+    at = next(i for i, r in enumerate(logs[1]) if r["op"] == "coll")
+    logs[1][at:at] = [{"op": "compute", "action": "1O0"}] * 5
+    return logs
+
+
+def test_an_all_reduce_waited_at_once_on_the_compute_stream_is_a_stall():
+    """Rank 0 reaches the step boundary at 6 and waits for rank 1's all-reduce, issued at 6.5."""
+    result = device_replay.replay(slower_last_stage(two_stages("compute")), lambda rank: rank)
+    assert result.stalls == ["rank 0, step 1: the compute stream waits 0.50 for all_reduce@w#3"]
+    assert result.ranks[0].actions[2] == ("0F1", 6.5, 7.5)
+    assert result.ranks[1].actions[7] == ("1F1", 7.5, 8.5)
+
+
+def test_the_same_all_reduce_on_a_side_stream_holds_no_compute():
+    result = device_replay.replay(slower_last_stage(two_stages("side")), lambda rank: rank)
+    assert not result.stalls
+    assert result.ranks[0].actions[2] == ("0F1", 6, 7)
+
+
+def test_collectives_inside_one_stage_are_no_stall():
+    """Both ranks in one stage (an FSDP group): the wait delays, but on no other stage."""
+    result = device_replay.replay(slower_last_stage(two_stages("compute")), lambda rank: 0)
+    assert not result.stalls and result.ranks[0].actions[2] == ("0F1", 6.5, 7.5)
+
+
+def test_the_stop_agreement_as_it_was_stalls_in_the_replay():
+    """`with_immediate_world_waits` turns the side-stream agreement into the former one."""
+    before = device_replay.with_immediate_world_waits(slower_last_stage(two_stages("side")))
+    assert device_replay.replay(before, lambda rank: rank).stalls == ["rank 0, step 1: the compute stream waits 0.50 for all_reduce@w#3"]
