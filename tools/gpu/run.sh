@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # The GPU checklist on a machine with one CUDA GPU, run from the repository root:
 #
-#   bash tools/gpu/run.sh [probe] [ns] [tests] [1b] [deep]   (no argument: the first four, in that order)
+#   bash tools/gpu/run.sh [probe] [fork] [ns] [tests] [1b] [deep]   (no argument: the first five, in that order)
 #
-# probe: GPU, Python and package versions; ns: Muon's Newton-Schulz times for the 10B shapes;
-# tests: tests/test_cuda.py; 1b: tokens/s and memory of the 1B config, bf16 against float8;
+# probe: GPU, Python and package versions; fork: two workers started as the launcher starts them
+# (after its config checks, float8's included) select cuda:0 and allocate (tools/gpu/fork_start.py);
+# ns: Muon's Newton-Schulz times for the 10B shapes; tests: tests/test_cuda.py and the CUDA cases of
+# tests/test_pipeline_references.py; 1b: tokens/s and memory of the 1B config, bf16 against float8;
 # deep: tools/bench_schedules.py on the CPU (CUDA hidden) at DEEP_ARGS (default p = 4, m = 8),
 # threads per rank = the cores it may use / ranks, so `taskset -c 8-15 bash tools/gpu/run.sh deep`
 # runs beside the GPU parts on the other half of the cores.
 # Packages the machine lacks are installed from the wheels in .whl/ (see docs/results/gpu/README.md)
 # into /tmp/site; tools/gpu/shim supplies the torch 2.15 names torchtitan 0.3.0 imports when the
 # machine's torch is older. Results and logs go to $OUT (default: docs/results/gpu/raw).
-# Environment: TESTS (pytest arguments, default tests/test_cuda.py), PYTEST_WORKERS (default 5), TESTS_TIMEOUT (default 420 s),
+# Environment: TESTS (pytest arguments, default the CUDA tests above), PYTEST_WORKERS (default 5), TESTS_TIMEOUT (default 420 s),
 # BENCH_1B_ARGS (extra arguments of bench_1b.py), CALL_LIMIT (seconds this script may take in all:
 # the tests and the 1B runs are cut to fit, and no 1B variant starts with less than MIN_1B_S, default
 # 150 s, left).
@@ -44,13 +46,17 @@ print("torch.distributed.set_timeout is", dist.set_timeout.__qualname__)
 EOF
 }
 
+fork() {
+    timeout 300 python3 tools/gpu/fork_start.py 2>&1 | tee "$OUT/fork_start.txt"
+}
+
 ns() {
     timeout 240 python3 tools/gpu/bench_newton_schulz.py --config train_configs/10b_2bw_muon.toml --float32-reps 5 --out "$OUT/ns_10b.json"
 }
 
 tests() {
     local cap=${TESTS_TIMEOUT:-420}
-    timeout $(( $(left) < cap ? $(left) : cap )) python3 -m pytest -v -rs -p no:cacheprovider --durations=0 -n "${PYTEST_WORKERS:-5}" ${TESTS:-tests/test_cuda.py} 2>&1 | tee "$OUT/tests.txt"
+    timeout $(( $(left) < cap ? $(left) : cap )) python3 -m pytest -v -rs -p no:cacheprovider --durations=0 -n "${PYTEST_WORKERS:-5}" ${TESTS:-tests/test_cuda.py tests/test_pipeline_references.py::test_emulation_under_fsdp_on_cuda_follows_the_rules} 2>&1 | tee "$OUT/tests.txt"
 }
 
 bench_1b() {
@@ -64,11 +70,12 @@ deep() {
 }
 
 status=0
-for step in "${@:-probe ns tests 1b}"; do
+for step in "${@:-probe fork ns tests 1b}"; do
     for part in $step; do
         echo "=== $part ($(date +%T))"
         case $part in
             probe) probe ;;
+            fork) fork ;;
             ns) ns ;;
             tests) tests ;;
             1b) bench_1b ;;
