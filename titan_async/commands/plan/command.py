@@ -1,12 +1,13 @@
 """The plan command: the estimate and the dry run of a config on a cluster as one JSON-ready
-object, printed, with what `train` would refuse as warnings."""
+object, printed, with what `train` would refuse as warnings (the dry run then builds nothing:
+the trainer never builds what `train` refuses)."""
 
 from __future__ import annotations
 
 import sys
 from typing import Any
 
-from titan_async.commands.plan.dry_run import ESTIMATE_ONLY_NOTE, dry_run
+from titan_async.commands.plan.dry_run import ESTIMATE_ONLY_NOTE, NOT_BUILT_NOTE, dry_run
 from titan_async.commands.plan.estimate import (
     Cluster,
     check_world_size,
@@ -31,7 +32,8 @@ from titan_async.pipeline.schedules import SCHEDULE_NAMES, register as register_
 def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True, simulation: SimulationOptions | None = None) -> dict[str, Any]:
     """Everything `plan` reports, as one JSON-ready object; with `gpu` False its memory is that of
     CPU processes (gloo, CPU Newton-Schulz dtype) in place of the cluster's GPUs; with
-    `simulation`, each schedule simulated on the cluster under "simulation"."""
+    `simulation`, each schedule simulated on the cluster under "simulation". The dry run builds
+    the layout only where `train` would start it."""
     check_world_size(run, cluster)
     _check_mixture_of_experts(run)
     name = run.parallelism.pipeline_parallel_schedule
@@ -46,6 +48,7 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True, simulation: Si
         run.check(cluster.world_size)
     except UserError as err:
         warnings.append(f"titan-async train would stop with: {err}")
+    refused = bool(warnings)
     parallelism = run.parallelism
     vocab = resolve_vocab_size(run)
     model = build_meta_model(run, vocab, fsdp=not plain_parameters(run, cluster.world_size))
@@ -112,7 +115,8 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True, simulation: Si
         "schedules": schedules,
         "communication": communication(layout, shapes, setup, run.parallelism.paci.accumulation),
         **({"mixture_of_experts": moe} if moe else {}),
-        "dry_run": {"ranks": dry_run(run, layout, model, cluster.world_size, rows), "note": ESTIMATE_ONLY_NOTE},
+        "dry_run": {"ranks": [], "note": NOT_BUILT_NOTE} if refused else
+                   {"ranks": dry_run(run, layout, model, cluster.world_size, rows), "note": ESTIMATE_ONLY_NOTE},
         "warnings": warnings,
         **({"simulation": simulated} if simulated else {}),
     }

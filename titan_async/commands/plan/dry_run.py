@@ -1,6 +1,8 @@
 """The plan's dry run: each inspected rank set up on torch's fake process group and the meta
-device as the trainer sets it up (stage, FSDP2 wrapping, weight versions, optimizer state,
-gradients), and the bytes of what it allocates, beside the estimate of the same components."""
+device as the trainer sets it up (stage, FSDP2 wrapping, what `AsyncTrainer.__init__` applies
+to the built parts, optimizer state, gradients), and the bytes of what it allocates, beside the
+estimate of the same components. A layout the trainer would fail to build fails here, before
+any launch."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+from torchtitan.components.optimizer import OptimizersContainer, register_moe_load_balancing_hook
 from torchtitan.components.optimizer.utils import init_optim_state
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.utils import init_fake_mode, set_spmd_backend
@@ -22,18 +25,24 @@ from titan_async.commands.plan.estimate import Layout
 from titan_async.commands.plan.memory import STATE_COMPONENTS
 from titan_async.config.assemble import ACTIVATION_CHECKPOINTS
 from titan_async.config.run_config import RunConfig
+from titan_async.model.init import reinitialize_by_name
 from titan_async.model.meta import MetaModel
 from titan_async.optim.error_feedback import PREVIOUS_UPDATE, STEPS
 from titan_async.parallel.expert import with_expert_parallel_backend
 from titan_async.parallel.fsdp_stage import FsdpStage
+from titan_async.parallel.fsdp_traffic import count_fsdp_traffic
 from titan_async.pipeline.actions import pipeline_order
-from titan_async.pipeline.versions import two_versions
+from titan_async.pipeline.emulation import stage_modules, stage_view
+from titan_async.pipeline.load_balance import moe_blocks
+from titan_async.pipeline.schedules import StreamingSchedule
+from titan_async.pipeline.versions import ShardedTwoVersions, TwoVersions, make_policy, two_versions
 
 ESTIMATE_ONLY_NOTE = (
     "activations, the optimizer step's scratch, FSDP's unsharded and flat buffers, P2P, stage-input and NCCL buffers "
     "are estimates only: meta tensors hold no activations, and the optimizer, FSDP and the pipeline transport "
     "allocate these buffers only while they step, gather, reduce, send and receive"
 )
+NOT_BUILT_NOTE = "not built: titan-async train would stop before building this layout (see the warning)"
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:
@@ -45,9 +54,10 @@ def _no_loss(*args, **kwargs):
     raise RuntimeError("the plan's dry run computes nothing")
 
 
-def _build_rank(run: RunConfig, model: MetaModel, world: int) -> tuple[list[torch.nn.Module], Any, int]:
-    """This (fake) rank's model parts, pipeline schedule (None without PP) and pipeline rank, on meta,
-    parallelized and initialized as the trainer does (initializing re-ties tied weights)."""
+def _build_rank(run: RunConfig, model: MetaModel, world: int) -> tuple[list[torch.nn.Module], Any, int, ParallelDims]:
+    """This (fake) rank's model parts, pipeline schedule (None without PP), pipeline rank and
+    parallel dims, on meta, parallelized and initialized as the trainer does (initializing
+    re-ties tied weights; `debug.seed` redraws them by name)."""
     spec = model.spec
     parallelism = with_expert_parallel_backend(run.parallelism)
     parallel_dims = ParallelDims.from_config(parallelism, world)
@@ -71,10 +81,69 @@ def _build_rank(run: RunConfig, model: MetaModel, world: int) -> tuple[list[torc
     with torch.no_grad():
         for part in parts:
             part.init_weights(buffer_device=None)
-    return parts, schedule, pp_rank
+    if run.debug.seed is not None:
+        reinitialize_by_name(parts, run.debug.seed)
+    return parts, schedule, pp_rank, parallel_dims
 
 
-def _allocated_state(run: RunConfig, layout: Layout, parts: list[torch.nn.Module]) -> dict[str, int]:
+def _build_optimizers(run: RunConfig, modules: list[torch.nn.Module]) -> OptimizersContainer:
+    """The optimizers training builds for `modules` (Muon's exchange groups included), in the
+    foreach implementation: fused kernels refuse meta tensors, and foreach keeps the same state."""
+    section = dataclasses.replace(run.optimizer, implementation="foreach")
+    return section.container_config().build(model_parts=modules)
+
+
+def _no_step() -> None:
+    raise RuntimeError("the plan's dry run steps no optimizer")
+
+
+@dataclasses.dataclass
+class TrainerSetup:
+    """What `AsyncTrainer.__init__` applies to one rank's built parts."""
+
+    optimizers: OptimizersContainer
+    policies: list[Any]
+    """The weight policies of the stages this rank steps (none for synchronous training)."""
+    balanced_moe_blocks: int
+    """MoE blocks whose expert biases move at this rank's steps."""
+
+
+def _weight_policies(run: RunConfig, layout: Layout, parts: list[torch.nn.Module], schedule: Any) -> list[tuple[torch.nn.Module, Any]]:
+    """(stage module, weight policy) as the trainer attaches them: a streaming schedule's stream
+    (`attach`: its FSDP units held gathered, P2P transport, executor), the emulation's stage
+    views, `training.gradient_delay`'s two versions of the whole model; none otherwise."""
+    accumulation = run.parallelism.paci.accumulation
+    if isinstance(schedule, StreamingSchedule):
+        stream = schedule.attach(optimizer_step=_no_step, microbatches=layout.window, accumulation=accumulation, keep_trace=False)
+        return [(executor.module, executor.policy) for executor in stream.executors]
+    if layout.emulated:
+        views = [stage_view(parts[0], names) for names in stage_modules(run.parallelism, len(parts[0].layers))]
+        return [(view, make_policy(layout.schedule, view, layout.window, accumulation)) for view in views]
+    if run.training.gradient_delay:
+        return [(parts[0], two_versions(parts[0], 1, FsdpStage.of(parts[0])))]
+    return []
+
+
+def _apply_trainer_setup(run: RunConfig, layout: Layout, parts: list[torch.nn.Module], schedule: Any,
+                         parallel_dims: ParallelDims) -> TrainerSetup:
+    """Apply to `parts` what `AsyncTrainer.__init__` applies, in its order: the optimizers, FSDP's
+    traffic counters and hooks (`count_fsdp_traffic`), the weight policies (the emulation
+    rebuilds the optimizers on its stage views) and MoE load balancing (per stage where
+    policies step the stages, torchtitan's optimizer hook otherwise)."""
+    optimizers = _build_optimizers(run, parts)
+    count_fsdp_traffic(parts)
+    stages = _weight_policies(run, layout, parts, schedule)
+    if layout.emulated:
+        optimizers = _build_optimizers(run, [module for module, _ in stages])
+    if stages:
+        balanced = sum(len(moe_blocks(module)) for module, _ in stages)
+    else:
+        register_moe_load_balancing_hook(optimizers, parts, parallel_dims)
+        balanced = sum(len(moe_blocks(part)) for part in parts)
+    return TrainerSetup(optimizers, [policy for _, policy in stages], balanced)
+
+
+def _allocated_state(parts: list[torch.nn.Module], setup: TrainerSetup) -> dict[str, int]:
     """Bytes of the state tensors training creates on this rank (`STATE_COMPONENTS`), on meta:
     its (sharded) parameters, the MoE experts' (3-D) apart, the 2BW weight versions (with the
     expert biases), the optimizer state and the sharded gradients."""
@@ -82,14 +151,10 @@ def _allocated_state(run: RunConfig, layout: Layout, parts: list[torch.nn.Module
     allocated = dict.fromkeys(STATE_COMPONENTS, 0)
     allocated["weights"] = sum(_local_bytes(p) for p in params if p.ndim != 3)
     allocated["expert_weights"] = sum(_local_bytes(p) for p in params if p.ndim == 3)
-    if layout.two_versions:
-        for part in parts:
-            versions = two_versions(part, layout.window, FsdpStage.of(part))
-            allocated["weight_versions"] += sum(_local_bytes(t) for t in versions.copies())
-    # Fused kernels refuse meta tensors; the foreach implementation keeps the same state.
-    section = dataclasses.replace(run.optimizer, implementation="foreach")
-    optimizers = section.container_config().build(model_parts=parts)
-    for optimizer in optimizers.optimizers:
+    for policy in setup.policies:
+        if isinstance(policy, (TwoVersions, ShardedTwoVersions)):
+            allocated["weight_versions"] += sum(_local_bytes(t) for t in policy.copies())
+    for optimizer in setup.optimizers.optimizers:
         init_optim_state(optimizer)
         for state in optimizer.state.values():
             for key, value in state.items():
@@ -123,7 +188,8 @@ def dry_run_rank(run: RunConfig, layout: Layout, model: MetaModel, world: int, r
     """Set up global rank `rank` of `world` with a fake process group and report what it holds."""
     init_fake_mode(world, rank=rank)
     try:
-        parts, schedule, pp_rank = _build_rank(run, model, world)
+        parts, schedule, pp_rank, parallel_dims = _build_rank(run, model, world)
+        setup = _apply_trainer_setup(run, layout, parts, schedule, parallel_dims)
         actions, counts = _actions(schedule, layout, pp_rank)
         return {
             "rank": rank,
@@ -133,7 +199,9 @@ def dry_run_rank(run: RunConfig, layout: Layout, model: MetaModel, world: int, r
                 (p.to_local() if isinstance(p, DTensor) else p).numel() for part in parts for p in part.parameters()
             ),
             "fsdp_wrapped": any(isinstance(p, DTensor) for part in parts for p in part.parameters()),
-            "allocated": _allocated_state(run, layout, parts),
+            "weight_policies": [type(policy).__name__ for policy in setup.policies],
+            "balanced_moe_blocks": setup.balanced_moe_blocks,
+            "allocated": _allocated_state(parts, setup),
             "actions": actions,
             "action_counts": counts,
         }
