@@ -14,20 +14,17 @@ from titan_async.run.overwrite import release_overwritten
 
 
 class AfterSaves:
-    """Wraps `checkpointer.save` (torchtitan's CheckpointManager) on the rank that writes the run
-    directory; `finish` waits for the checksums still being computed."""
+    """The after-save hook (`SaveHooks.after`) of the rank that writes the run directory; `finish`
+    waits for the checksums still being computed."""
 
     def __init__(self, checkpointer, run_dir: Path) -> None:
         self.checkpointer = checkpointer
         self.run_dir = run_dir
         self.recorder = ChecksumRecorder()
-        self._save = checkpointer.save
-        checkpointer.save = self.save
 
-    def save(self, step: int, last_step: bool = False) -> bool:
-        saved = self._save(step, last_step=last_step)
+    def __call__(self, step: int, last_step: bool, saved: bool) -> None:
         if not saved:
-            return False
+            return
         checkpoint = self.run_dir / runs.CHECKPOINT_DIR / f"step-{step}"
         pending = getattr(self.checkpointer, "save_future", None)  # asynchronous modes write later
         if pending is not None and not pending.done():
@@ -38,7 +35,6 @@ class AfterSaves:
             self.checkpointer._purge_stale_checkpoints()
         if (self.run_dir / runs.OVERWRITTEN_DIR).is_dir() and release_overwritten(self.run_dir):
             logging.getLogger("titan_async").info(f"deleted {self.run_dir / runs.OVERWRITTEN_DIR}: this run has an intact checkpoint")
-        return True
 
     def finish(self) -> None:
         self.recorder.join()

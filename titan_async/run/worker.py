@@ -103,6 +103,8 @@ def train(run_dir: Path, verbose: bool = False, run=None) -> int:
     run = _resume_point(run_dir, run or load_run_config(run_dir / runs.CONFIG_FILE))
     trainer = trainer_config(run, run_dir, int(os.environ.get("WORLD_SIZE", "1"))).build()
     after_saves = AfterSaves(trainer.checkpointer, run_dir) if dist.get_rank() == 0 else None
+    if after_saves is not None:
+        trainer.save_hooks.after.append(after_saves)
     if dist.get_rank() == 0:
         runs.record_world_size(run_dir, dist.get_world_size())
     try:

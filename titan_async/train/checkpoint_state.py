@@ -1,0 +1,74 @@
+"""What checkpoints keep besides torchtitan's model, optimizer and schedulers: each rank's RNG
+states, the weight policies' state, and the model state without torchtitan's parameter cache."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
+from torchtitan.components.checkpointer.base import ModelWrapper
+from torchtitan.trainer import Trainer
+
+from titan_async.model.init import canonical_name
+from titan_async.pipeline.load_balance import StageLoadBalance, versioned_tensors
+from titan_async.pipeline.versions import OneStepDelay
+
+
+def policy_names(model: torch.nn.Module, policy) -> list[str]:
+    """The names of what `policy` keeps per stage: 2BW versions the MoE expert biases too."""
+    named = versioned_tensors(model) if isinstance(policy, OneStepDelay) else model.named_parameters()
+    return [canonical_name(name) for name, _ in named]
+
+
+class RNGState(Stateful):
+    """This rank's torch (CPU and CUDA) and Python RNG states, keyed by rank in checkpoints."""
+
+    def __init__(self) -> None:
+        self.key = f"rank{dist.get_rank()}"
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return {self.key: state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = state_dict[self.key]
+        torch.set_rng_state(state["torch"])
+        random.setstate(state["python"])
+        if "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"])
+
+
+class WeightVersionState(Stateful):
+    """The weight policies' state (second 2BW versions, PACI's partial sums) of this process's
+    stages, keyed by stage so that ranks never share a key."""
+
+    def __init__(self, stages: dict[int, tuple[Any, list[str]]], balances: dict[int, StageLoadBalance], trainer: Trainer) -> None:
+        self.stages, self.balances, self.trainer = stages, balances, trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {f"stage{stage}": policy.state_dict(names, self.trainer.step) for stage, (policy, names) in self.stages.items()}
+        state.update({f"load_balance{stage}": balance.state_dict() for stage, balance in self.balances.items()})
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for stage, (policy, names) in self.stages.items():
+            policy.load_state_dict(state_dict[f"stage{stage}"], names, self.trainer.step)
+        for stage, balance in self.balances.items():
+            balance.load_state_dict(state_dict[f"load_balance{stage}"])
+
+
+class LiveModelState(ModelWrapper):
+    """torchtitan's model state for checkpoints, without its cache of the parameters' tensors.
+
+    The cache assumes each parameter keeps its storage and copies the live values into the
+    cached tensor when it does not; `TwoVersions` switches parameters between two buffers, so
+    that copy would overwrite the stashed weight version with the latest one at every save
+    where the other buffer is live."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._get_state_dict()

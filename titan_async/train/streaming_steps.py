@@ -1,0 +1,264 @@
+"""Steps of the streaming schedules (PipeDream2BW, PACI): one stage per process, or every stage
+in this process (the single-process emulation)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torchtitan.components.checkpointer.base import LR_SCHEDULER, OPTIMIZER
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.activation_checkpoint import FullAC
+from torchtitan.tools.logging import logger
+
+from titan_async.pipeline.config import microbatches
+from titan_async.pipeline.emulation import stage_modules, stage_view
+from titan_async.pipeline.executor import Microbatch, StageExecutor
+from titan_async.pipeline.load_balance import StageLoadBalance, moe_blocks
+from titan_async.pipeline.stream import StreamEngine
+from titan_async.pipeline.trace import Timeline
+from titan_async.pipeline.transport import LocalTransport
+from titan_async.pipeline.versions import LocalAccumulation, OneStepDelay, make_policy
+from titan_async.train.health import skips_on_device
+from titan_async.train.checkpoint_state import policy_names
+
+
+class StreamingSteps:
+    """One window per step, drained before checkpoints, validation and the end.
+
+    Each stage steps on its own when its policy completes an update: it moves its MoE biases,
+    clips its own gradient to `training.max_norm` (there is no global synchronisation point)
+    and steps its optimizers, the health check deciding on the device where it can.
+    `policies` and `balances` hold each local stage's weight policy and load balance."""
+
+    def __init__(self, trainer, emulated: bool) -> None:
+        self.trainer = trainer
+        self.per_rank_records = True
+        self.stage_grad_norms: dict[int, torch.Tensor] = {}
+        self.stage_group = self._stage_group(emulated)
+        self.balances: dict[int, StageLoadBalance] = {}
+        self.timeline = None
+        self.policies = self._emulate_stages() if emulated else self._attach_to_schedule()
+        self._balance_expert_load()
+        config = trainer.config
+        paci = any(isinstance(policy, LocalAccumulation) for policy, _ in self.policies.values())
+        if paci and isinstance(config.activation_checkpoint, FullAC.Config):
+            logger.warning("PACI with activation_checkpoint.mode = 'full': each block's backward recomputes its forward with "
+                           "the weights current at the backward (PACI's \"mem\" rule), not with the forward's")
+        trainer.save_hooks.before.append(self._drain_before_save)
+
+    def _stage_group(self, emulated: bool) -> dist.ProcessGroup | None:
+        """The ranks that hold this rank's stage and decide its updates together; None for one
+        rank. Emulated, every rank holds every stage: its data-parallel ranks. Pipelined, its
+        data-parallel and tensor-parallel ranks, in a group created collectively over the world:
+        pp is the outermost dimension of torchtitan's mesh, so stage s holds ranks [s * n, (s + 1) * n)."""
+        dims = self.trainer.parallel_dims
+        if emulated:
+            return dims.get_mesh("batch").get_group() if dims.dp_enabled else None
+        n = dims.world_size // dims.pp
+        if n == 1:
+            return None
+        group, _ = dist.new_subgroups_by_enumeration([list(range(s * n, (s + 1) * n)) for s in range(dims.pp)])
+        return group
+
+    def _attach_to_schedule(self) -> dict:
+        """The stream of this rank's stage under the pipeline schedule."""
+        trainer = self.trainer
+        schedule, stage = trainer.pp_schedule, trainer.pp_schedule._stage.stage_index
+        every_optimizer = list(range(len(trainer.optimizers.optimizers)))
+        self.stream = schedule.attach(
+            optimizer_step=lambda: self._stage_optimizer_step(stage, every_optimizer, schedule.policy, self.balances.get(stage)),
+            microbatches=trainer.gradient_accumulation_steps * trainer.num_pipeline_parallel_microbatches,
+            accumulation=trainer.config.parallelism.paci.accumulation,
+            keep_trace=trainer.config.metrics.pipeline_trace,
+        )
+        self.timeline = schedule.timeline
+        return {stage: (schedule.policy, policy_names(trainer.model_parts[0], schedule.policy))}
+
+    def _emulate_stages(self) -> dict:
+        """Split the model into stage views in this process, each with its own optimizer,
+        learning-rate schedule and weight policy."""
+        trainer = self.trainer
+        config = trainer.config
+        model = trainer.model_parts[0]
+        views = [stage_view(model, names) for names in stage_modules(config.parallelism, len(model.layers))]
+        trainer.optimizers = config.optimizer.build(model_parts=views)
+        trainer.lr_schedulers = config.lr_scheduler.build(optimizers=trainer.optimizers, training_steps=config.training.steps)
+        trainer.metrics_processor.optimizers = trainer.optimizers
+        if trainer.checkpointer.enable:
+            trainer.checkpointer.states.update({OPTIMIZER: trainer.optimizers, LR_SCHEDULER: trainer.lr_schedulers})
+        m = trainer.gradient_accumulation_steps * microbatches(config.training, config.parallelism)
+        mailbox: dict = {}
+        policies, executors, steps = {}, [], {}
+        for stage, view in enumerate(views):
+            policy = make_policy(config.parallelism.pipeline_parallel_schedule, view, m, config.parallelism.paci.accumulation)
+            policies[stage] = (policy, policy_names(view, policy))
+            executors.append(
+                StageExecutor(view, stage, len(views), LocalTransport(mailbox, stage), policy, self._loss, Timeline(0, False))
+            )
+            owned = self._optimizers_of(view)
+            steps[stage] = lambda stage=stage, owned=owned, policy=policy: self._stage_optimizer_step(
+                stage, owned, policy, self.balances.get(stage))
+        self.stream = StreamEngine(executors, len(views), m, steps)
+        return policies
+
+    def _balance_expert_load(self) -> None:
+        """MoE load balancing per stage, where each stage steps (`pipeline.load_balance`)."""
+        dims = self.trainer.parallel_dims
+        data_group = dims.get_mesh("batch").get_group() if dims.dp_enabled else None
+        for executor in self.stream.executors:
+            blocks = moe_blocks(executor.module)
+            if blocks:
+                executor.balance = self.balances[executor.stage] = StageLoadBalance(blocks, data_group)
+
+    def _loss(self, pred, labels, **loss_kwargs):
+        loss, _ = self.trainer.loss_fn(pred, labels, **loss_kwargs)
+        return loss
+
+    def _optimizers_of(self, stage: torch.nn.Module) -> list[int]:
+        """Indices of the optimizers (and their lr schedulers) that update `stage`'s parameters."""
+        owned = {id(p) for p in stage.parameters()}
+        return [
+            i for i, optimizer in enumerate(self.trainer.optimizers.optimizers)
+            if all(id(p) in owned for group in optimizer.param_groups for p in group["params"])
+        ]
+
+    def _stage_optimizer_step(self, stage: int, indices: list[int], policy, balance: StageLoadBalance | None) -> None:
+        """Move the stage's expert biases (MoE; also when the health check skips the update: the
+        counts are finite), clip its gradient on its own, step and zero its optimizers, and
+        advance their learning rates by the batches the stage has now completed.
+
+        The health check decides on the device when every optimizer can skip an update there
+        (`skips_on_device`), so a stage stepping inside a window never waits for the device."""
+        trainer = self.trainer
+        if balance:
+            balance.step()
+        optimizers = [trainer.optimizers.optimizers[i] for i in indices]
+        params = [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
+        on_device = all(skips_on_device(optimizer) for optimizer in optimizers)
+        found_inf = trainer.health.found_nonfinite(trainer.step, stage, params, group=self.stage_group) if on_device else None
+        if on_device or trainer.health.allow_update(trainer.step, stage, params, group=self.stage_group):
+            self.stage_grad_norms[stage] = dist_utils.clip_grad_norm_(
+                params, trainer.config.training.max_norm, foreach=True, ep_enabled=trainer.parallel_dims.ep_enabled)
+            for optimizer in optimizers:
+                optimizer.found_inf = found_inf
+                optimizer.step()
+                del optimizer.found_inf
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        for i in indices:
+            scheduler = trainer.lr_schedulers.schedulers[i]
+            while scheduler.last_epoch < policy.lr_steps_due():
+                scheduler.step()
+
+    def _must_drain(self) -> bool:
+        """Whether the step just taken is followed by a checkpoint, validation or the end."""
+        trainer = self.trainer
+        step, config = trainer.step, trainer.config
+        checkpoint = config.checkpoint.enable and step % config.checkpoint.interval == 0
+        validation = config.validator.enable and trainer.validator.should_validate(step)
+        return step >= config.training.steps or checkpoint or validation
+
+    def run(self, data_iterator) -> None:
+        """Feed batch `step - 1` into the stream and report the loss of the batch it completed.
+
+        Nothing here waits for the device except, on logging steps, the read of the loss: the
+        batch is copied from pinned memory without blocking, so on a GPU the host loads the
+        next batch while the device still runs this window."""
+        trainer = self.trainer
+        lr_metrics = trainer.lr_schedulers.get_metrics()
+        batches = [next(data_iterator) for _ in range(trainer.gradient_accumulation_steps * trainer.num_pipeline_parallel_microbatches)]
+        fed = []
+        for input_dict, labels in self._split_for_emulation(batches):
+            input_dict = {k: self._to_device(v) for k, v in input_dict.items()}
+            inputs, labels, extra_kwargs = trainer.post_dataloading_process(input_dict, self._to_device(labels))
+            fed.append(Microbatch(args=(inputs,), kwargs=extra_kwargs, target=labels))
+        global_valid_tokens = sum((m.target != IGNORE_INDEX).sum() for m in fed)
+        if trainer.parallel_dims.dp_enabled:
+            global_valid_tokens = dist_utils.dist_sum_tensor(global_valid_tokens, trainer.parallel_dims.get_mesh("batch"))
+        with trainer.train_context():
+            if self.timeline:
+                self.timeline.start_window()
+            losses = self.stream.run_window(trainer.step - 1, fed, {"global_valid_tokens": global_valid_tokens})
+            bubble = self.timeline.end_window() if self.timeline else None
+            if self._must_drain():
+                self.drain()
+        extra = {"n_tokens_seen": trainer.ntokens_seen, **lr_metrics}
+        if bubble is not None:
+            extra["pipeline/bubble"] = bubble
+        if trainer.metrics_processor.should_log(trainer.step):
+            loss, grad_norm = self._loss_and_grad_norm(losses)
+            trainer.metrics_processor.log(trainer.step, loss, loss, grad_norm, extra_metrics=extra)
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` on the training device; to a GPU through pinned memory, without a host sync."""
+        device = self.trainer.device
+        if device.type != "cuda":
+            return tensor.to(device)
+        return tensor.pin_memory().to(device, non_blocking=True)
+
+    def _loss_and_grad_norm(self, losses: list[torch.Tensor]) -> tuple[float, float]:
+        """The step's loss summed over the data ranks (-1 on stages without a loss) and the
+        last local stage's gradient norm, read from the device in one transfer."""
+        trainer = self.trainer
+        if losses:
+            loss = torch.stack(losses).sum()
+            if trainer.parallel_dims.dp_enabled:
+                loss = dist_utils.dist_sum_tensor(loss, trainer.parallel_dims.get_optional_mesh("loss"))
+        else:
+            loss = torch.full((), -1.0, device=trainer.device)
+        norms = self.stage_grad_norms
+        norm = norms[max(norms)] if norms else torch.zeros((), device=trainer.device)
+        loss, grad_norm = torch.stack([loss.float().reshape(()), norm.float().reshape(()).to(loss.device)]).tolist()
+        return loss, grad_norm
+
+    def _split_for_emulation(self, batches: list) -> list:
+        """The emulation loads whole batches (no PP): cut each into its pipeline microbatches."""
+        config = self.trainer.config
+        if not config.parallelism.emulated_stages:
+            return batches
+        count = microbatches(config.training, config.parallelism)
+        split = []
+        for input_dict, labels in batches:
+            parts = {k: v.chunk(count) for k, v in input_dict.items()}
+            split += [({k: v[i] for k, v in parts.items()}, labels.chunk(count)[i]) for i in range(count)]
+        return split
+
+    def drain(self) -> None:
+        """Empty the stream; with two versions, expose the latest (W[step]) for saving and validation."""
+        self.stream.drain()
+        self.trainer.health.settle()
+        if self.timeline:
+            self.timeline.restart()
+        for executor in self.stream.executors:
+            if isinstance(executor.policy, OneStepDelay):
+                executor.policy.activate(self.trainer.step + 1)
+
+    def _drain_before_save(self, step: int, last_step: bool) -> None:
+        """Drain wherever the checkpointer saves (the first-step checkpoint and any save torchtitan
+        adds included), so that no checkpoint holds microbatches in flight. `_must_drain` drains
+        the saves it foresees inside the step."""
+        if not self.stream.drained:
+            with self.trainer.train_context():
+                self.drain()
+
+    def rank_scalars(self) -> dict:
+        """The bubble, the staleness of the applied gradients and the memory of weight versions
+        beyond the live weights (shards, and gathered under FSDP)."""
+        executors = self.stream.executors
+        scalars = {"bubble": self.timeline.last_bubble} if self.timeline is not None else {}
+        scalars["staleness"] = self._staleness()
+        scalars["weight_versions_gib"] = sum(e.policy.extra_bytes() for e in executors) / 2**30
+        scalars["gathered_versions_gib"] = sum(e.policy.gathered_copy_bytes() for e in executors) / 2**30
+        return scalars
+
+    def _staleness(self) -> float:
+        """Optimizer steps between the weights a gradient was computed at and those it updates:
+        1 for PipeDream2BW; for PACI, the mean number of local updates a microbatch crossed
+        between its forward and backward since the last record."""
+        crossed = [n for e in self.stream.executors for n in e.crossed]
+        for executor in self.stream.executors:
+            executor.crossed.clear()
+        if isinstance(self.stream.executors[0].policy, OneStepDelay):
+            return 1.0
+        return sum(crossed) / len(crossed) if crossed else 0.0
