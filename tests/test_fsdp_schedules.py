@@ -27,9 +27,20 @@ def test_2bw_with_fsdp_equals_delayed_reference_with_fsdp(tmp_path):
                       layout=("--config", str(CONFIGS / "debug_cpu_fsdp2.toml"), "--nproc-per-node", "2"))
     pipelined = train(tmp_path / "2bw", "parallelism.pipeline_parallel_schedule=PipeDream2BW")
     assert_same_run(reference, pipelined)
+    assert_same_step_metrics(reference, pipelined)
     assert_close_weights(final_weights(pipelined), final_weights(reference))
     nccl_model.assert_nccl_safe(pipelined / "comm", stages=2, ranks_per_stage=2)  # FSDP's collectives and the pipeline's sends
     device_replay.assert_flows_as_simulated(pipelined / "comm", "PipeDream2BW", stages=2, microbatches=4, ranks_per_stage=2)
+
+
+def assert_same_step_metrics(reference, run) -> None:
+    """torchtitan's own step metrics over the data ranks (the reference's) in `run` too: the
+    largest data rank's mean loss and the tokens every data rank has seen."""
+    expected, found = metrics(reference), metrics(run)
+    for step, row in expected.items():
+        assert found[step]["n_tokens_seen"] == row["n_tokens_seen"], step
+        assert found[step]["loss_metrics/global_max_loss"] == pytest.approx(row["loss_metrics/global_max_loss"], rel=1e-5), step
+    assert any(row["loss_metrics/global_max_loss"] > row["loss_metrics/global_avg_loss"] for row in expected.values())
 
 
 def test_paci_with_fsdp_equals_its_emulation_with_fsdp(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torchtitan.components.checkpointer.base import LR_SCHEDULER, OPTIMIZER
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
@@ -173,9 +174,10 @@ class StreamingSteps:
             input_dict = {k: self._to_device(v) for k, v in input_dict.items()}
             inputs, labels, extra_kwargs = trainer.post_dataloading_process(input_dict, self._to_device(labels))
             fed.append(Microbatch(args=(inputs,), kwargs=extra_kwargs, target=labels))
-        global_valid_tokens = sum((m.target != IGNORE_INDEX).sum() for m in fed)
+        local_valid_tokens = sum((m.target != IGNORE_INDEX).sum() for m in fed)
+        global_valid_tokens = local_valid_tokens
         if trainer.parallel_dims.dp_enabled:
-            global_valid_tokens = dist_utils.dist_sum_tensor(global_valid_tokens, trainer.parallel_dims.get_mesh("batch"))
+            global_valid_tokens = dist_utils.dist_sum_tensor(local_valid_tokens, trainer.parallel_dims.get_mesh("batch"))
         with trainer.train_context():
             if self.timeline:
                 self.timeline.start_window()
@@ -183,12 +185,12 @@ class StreamingSteps:
             bubble = self.timeline.end_window() if self.timeline else None
             if self._must_drain():
                 self.drain()
-        extra = {"n_tokens_seen": trainer.ntokens_seen, **lr_metrics}
-        if bubble is not None:
-            extra["pipeline/bubble"] = bubble
         if trainer.metrics_processor.should_log(trainer.step):
-            loss, grad_norm = self._loss_and_grad_norm(losses)
-            trainer.metrics_processor.log(trainer.step, loss, loss, grad_norm, extra_metrics=extra)
+            loss, max_loss, tokens, grad_norm = self._step_metrics(losses, local_valid_tokens, global_valid_tokens)
+            extra = {"n_tokens_seen": int(tokens), **lr_metrics}
+            if bubble is not None:
+                extra["pipeline/bubble"] = bubble
+            trainer.metrics_processor.log(trainer.step, loss, max_loss, grad_norm, extra_metrics=extra)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` on the training device; to a GPU through pinned memory, without a host sync."""
@@ -197,20 +199,28 @@ class StreamingSteps:
             return tensor.to(device)
         return tensor.pin_memory().to(device, non_blocking=True)
 
-    def _loss_and_grad_norm(self, losses: list[torch.Tensor]) -> tuple[float, float]:
-        """The step's loss summed over the data ranks (-1 on stages without a loss) and the
-        last local stage's gradient norm, read from the device in one transfer."""
+    def _step_metrics(self, losses: list[torch.Tensor], local_valid_tokens: torch.Tensor,
+                      global_valid_tokens: torch.Tensor) -> tuple[float, float, float, float]:
+        """What torchtitan logs of a step, over this stage's data ranks: the loss (the mean over
+        every token of the batch), the largest data rank's own mean loss, the tokens seen, and
+        the last local stage's gradient norm; read from the device in one transfer. Stages
+        without a loss report -1 for both losses."""
         trainer = self.trainer
+        device = trainer.device
+        mesh = trainer.parallel_dims.get_optional_mesh("loss") if trainer.parallel_dims.dp_enabled else None
+        tokens = torch.tensor(float(trainer.ntokens_seen), dtype=torch.float64, device=device)
         if losses:
-            loss = torch.stack(losses).sum()
-            if trainer.parallel_dims.dp_enabled:
-                loss = dist_utils.dist_sum_tensor(loss, trainer.parallel_dims.get_optional_mesh("loss"))
+            accumulated = torch.stack(losses).sum().float()
+            local_mean = accumulated * global_valid_tokens / local_valid_tokens
+            loss, tokens = dist_utils.dist_sum_tensor(torch.stack([accumulated.double(), tokens]), mesh).unbind()
+            max_loss = _dist_max_tensor(local_mean.reshape(1), mesh).reshape(()).double()
         else:
-            loss = torch.full((), -1.0, device=trainer.device)
+            loss = max_loss = torch.full((), -1.0, dtype=torch.float64, device=device)
+            tokens = dist_utils.dist_sum_tensor(tokens.reshape(1), mesh).reshape(())
         norms = self.stage_grad_norms
-        norm = norms[max(norms)] if norms else torch.zeros((), device=trainer.device)
-        loss, grad_norm = torch.stack([loss.float().reshape(()), norm.float().reshape(()).to(loss.device)]).tolist()
-        return loss, grad_norm
+        norm = norms[max(norms)] if norms else torch.zeros((), device=device)
+        values = torch.stack([loss, max_loss, tokens, norm.double().reshape(()).to(device)]).tolist()
+        return tuple(values)
 
     def _split_for_emulation(self, batches: list) -> list:
         """The emulation loads whole batches (no PP): cut each into its pipeline microbatches."""
@@ -262,3 +272,8 @@ class StreamingSteps:
         if isinstance(self.stream.executors[0].policy, OneStepDelay):
             return 1.0
         return sum(crossed) / len(crossed) if crossed else 0.0
+
+
+def _dist_max_tensor(x: torch.Tensor, mesh) -> torch.Tensor:
+    """The element-wise maximum of `x` over `mesh` (None: `x`), left on the device."""
+    return x if mesh is None else funcol.wait_tensor(funcol.all_reduce(x, reduceOp="MAX", group=mesh))
