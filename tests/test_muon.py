@@ -28,7 +28,7 @@ from titan_async.model.llama import ModelSection, build_model_spec  # noqa: E402
 from titan_async.optim import ErrorFeedback, Muon, RoutedOptimizersContainer  # noqa: E402
 from titan_async.optim.blocks import ExpertBlocks, FusedQKVBlocks  # noqa: E402
 from titan_async.optim import newton_schulz_batched  # noqa: E402
-from titan_async.optim.full_matrix import assign_owners, map_full_matrices  # noqa: E402
+from titan_async.optim.full_matrix import assign_owners, create_exchange_groups, exchange_group, map_full_matrices  # noqa: E402
 from titan_async.optim.newton_schulz import COEFFICIENTS, flops, gram_form, orthogonalize, resolve_dtype  # noqa: E402
 from titan_async.optim.newton_schulz_batched import orthogonalize_all  # noqa: E402
 from titan_async.optim.section import OptimizerSection  # noqa: E402
@@ -347,6 +347,12 @@ def _tensor_parallel_worker(rank: int, init_file: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4)
     try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        param = nn.Parameter(distribute_tensor(torch.zeros(8, 8), mesh, [Shard(0), Shard(1)]))
+        with pytest.raises(RuntimeError, match="create_exchange_groups"):
+            Muon([param], lr=1.0)
+        create_exchange_groups([param] if rank == 0 else [])  # ranks that name no matrix (a stage without one) make its group too
+        assert dist.get_process_group_ranks(exchange_group(param)) == [0, 1, 2, 3]
         generator = torch.Generator().manual_seed(0)
         for name, (mesh_shape, dims, placements) in TP_LAYOUTS.items():
             mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=dims)
@@ -355,6 +361,7 @@ def _tensor_parallel_worker(rank: int, init_file: str) -> None:
                 full_gradient = torch.randn(shape, generator=generator)
                 param = nn.Parameter(distribute_tensor(torch.zeros(shape), mesh, placements))
                 param.grad = distribute_tensor(full_gradient, mesh, placements)
+                create_exchange_groups([param])
                 Muon([param], lr=1.0, momentum=0.0, nesterov=False, ns_dtype="float32").step()
                 expected = distribute_tensor(hand_written_muon_update(full_gradient), mesh, placements).to_local()
                 torch.testing.assert_close(-param.to_local(), expected, atol=2e-5, rtol=0, msg=f"{name} {shape} rank {rank}")
@@ -369,6 +376,7 @@ def _tensor_parallel_worker(rank: int, init_file: str) -> None:
             experts = torch.randn((8, 12, 16), generator=generator)
             param = nn.Parameter(distribute_tensor(torch.zeros(experts.shape), mesh, placements))
             param.grad = distribute_tensor(experts, mesh, placements)
+            create_exchange_groups([param])
             Muon([{"params": [param], "param_names": ["w1_EFD"]}], lr=1.0, momentum=0.0, nesterov=False, ns_dtype="float32",
                  blocks={"w1_EFD": ExpertBlocks(8)}).step()
             expected = torch.stack([hand_written_muon_update(matrix) for matrix in experts])
@@ -379,10 +387,11 @@ def _tensor_parallel_worker(rank: int, init_file: str) -> None:
 
 
 def test_muon_updates_tensor_parallel_weights_from_their_full_matrix(tmp_path):
-    """4 processes: TP 4 (column- and row-sharded weights), FSDP 2 x TP 2 (the _StridedShard
-    layout FSDP2 gives a column-parallel weight) and a stack of expert matrices sharded by
-    expert (FSDP, and expert parallelism's efsdp x ep layouts), against a Newton-Schulz written
-    here (per expert for the stack)."""
+    """4 processes: the FSDP x TP group made on every rank though only one names the matrix (and
+    Muon refusing the matrix before it exists); TP 4 (column- and row-sharded weights), FSDP 2 x
+    TP 2 (the _StridedShard layout FSDP2 gives a column-parallel weight) and a stack of expert
+    matrices sharded by expert (FSDP, and expert parallelism's efsdp x ep layouts), against a
+    Newton-Schulz written here (per expert for the stack)."""
     mp.spawn(_tensor_parallel_worker, args=(str(tmp_path / "init"),), nprocs=4)
 
 

@@ -10,6 +10,7 @@ import torch.nn as nn
 from torchtitan.components.optimizer import OptimizersContainer
 
 from titan_async.optim.error_feedback import ErrorFeedback
+from titan_async.optim.full_matrix import create_exchange_groups
 from titan_async.optim.muon import Muon
 from titan_async.optim.routing import Route, route_parameters
 
@@ -23,7 +24,8 @@ class RoutedOptimizersContainer(OptimizersContainer):
 
     Parameters are routed one by one (`route_parameters`) instead of by torchtitan's regex
     groups, which must each match on every pipeline stage: a part without parameters of one
-    kind simply has no optimizer of that kind. With `error_feedback_coefficient` set, every
+    kind simply has no optimizer of that kind; building is collective over the world all the same
+    (`create_exchange_groups`). With `error_feedback_coefficient` set, every
     optimizer is wrapped in `ErrorFeedback`. State dicts are torchtitan's flat FQN-keyed ones.
     """
 
@@ -44,8 +46,10 @@ class RoutedOptimizersContainer(OptimizersContainer):
         self.optimizers = []
         all_params = []
         use_muon = config.muon_kwargs is not None
-        for part_index, part in enumerate(model_parts):
-            routes = route_parameters(part)
+        routed = [route_parameters(part) for part in model_parts]
+        if use_muon:  # every rank, whether its parts hold Muon's matrices or not
+            create_exchange_groups([r.param for routes in routed for r in routes if r.optimizer == "muon"])
+        for part_index, routes in enumerate(routed):
             matrices = [r for r in routes if use_muon and r.optimizer == "muon"]
             others = [r for r in routes if not (use_muon and r.optimizer == "muon")]
             if matrices:

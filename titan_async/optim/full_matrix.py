@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
 
 import torch
@@ -35,16 +35,59 @@ def sharded_mesh_dims(layout: torch.Tensor) -> tuple[int, ...]:
 
 
 def exchange_group(layout: torch.Tensor) -> dist.ProcessGroup | None:
-    """The ranks among which `layout`'s matrix is split: one mesh dimension's group, or the
-    flattened group of several (FSDP x TP). Creating a flattened group is collective over the
-    world, so every rank calls this for its matrices when its optimizer is built (`Muon`)."""
+    """The ranks among which `layout`'s matrix is split: one mesh dimension's group, or, split over
+    several (FSDP x TP), the group `create_exchange_groups` made of them; a RuntimeError if it made none."""
     dims = sharded_mesh_dims(layout)
     if not dims:
         return None
-    mesh = layout.device_mesh
     if len(dims) == 1:
-        return mesh.get_group(dims[0])
-    return mesh[tuple(mesh.mesh_dim_names[d] for d in dims)]._flatten().get_group()
+        return layout.device_mesh.get_group(dims[0])
+    ranks = _split_ranks(layout, dims)
+    group = _flat_groups().get(ranks)
+    if group is None:
+        names = [layout.device_mesh.mesh_dim_names[d] for d in dims]
+        raise RuntimeError(f"no process group over ranks {list(ranks)}, which split a matrix over mesh dimensions {names}: "
+                           "create_exchange_groups makes it, called on every rank")
+    return group
+
+
+def create_exchange_groups(tensors: Iterable[torch.Tensor]) -> None:
+    """Make the process group of every matrix that any rank holds split over several mesh
+    dimensions (FSDP x TP, efsdp x ep), for `exchange_group`.
+
+    Collective over the world whatever each rank holds: every rank calls this at the same point
+    (when it builds its optimizers), with its own matrices or none (a pipeline stage without such
+    matrices). The ranks agree on the groups by one all-gather and all make them, in one order.
+    """
+    if not dist.is_initialized():
+        return
+    made = _flat_groups()
+    wanted = sorted({_split_ranks(t, dims) for t in tensors if len(dims := sharded_mesh_dims(t)) > 1})
+    everyone: list[list[tuple[int, ...]] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, wanted)
+    for ranks in sorted(set().union(*everyone) - made.keys()):
+        group = dist.new_group(list(ranks))
+        made[ranks] = group if dist.get_rank() in ranks else None
+
+
+def _split_ranks(layout: DTensor, dims: tuple[int, ...]) -> tuple[int, ...]:
+    """The global ranks (sorted) that hold parts of `layout`'s matrix: this rank's slice of its mesh along `dims`."""
+    mesh = layout.device_mesh
+    coordinate = mesh.get_coordinate()
+    index = tuple(slice(None) if d in dims else c for d, c in enumerate(coordinate))
+    return tuple(sorted(mesh.mesh[index].flatten().tolist()))
+
+
+_FLAT_GROUPS: tuple[dist.ProcessGroup | None, dict[tuple[int, ...], dist.ProcessGroup | None]] = (None, {})
+
+
+def _flat_groups() -> dict[tuple[int, ...], dist.ProcessGroup | None]:
+    """Groups `create_exchange_groups` made in the current world: their ranks -> the group (None
+    on ranks outside it). A new default process group starts an empty table."""
+    global _FLAT_GROUPS
+    if _FLAT_GROUPS[0] is not dist.group.WORLD:
+        _FLAT_GROUPS = (dist.group.WORLD, {})
+    return _FLAT_GROUPS[1]
 
 
 def map_full_matrices(

@@ -50,7 +50,9 @@ class Muon(Optimizer):
     float32 elsewhere.
 
     `blocks` maps parameter names (the groups' `param_names`) to their block layout;
-    other parameters are one block.
+    other parameters are one block. A matrix split over several mesh dimensions (FSDP x TP) is
+    exchanged over a group that `create_exchange_groups` made beforehand, on every rank
+    (`RoutedOptimizersContainer` does).
     """
 
     def __init__(
@@ -94,7 +96,7 @@ class Muon(Optimizer):
                 self.blocks[param] = blocks.get(name, WholeMatrix())
                 if param.ndim != 2 and not (param.ndim == 3 and isinstance(self.blocks[param], ExpertBlocks)):
                     raise ValueError(f"Muon takes 2-D parameters (3-D with ExpertBlocks) only; {name} has shape {tuple(param.shape)}")
-                exchange_group(param)  # creates a flattened FSDP x TP group now, while every rank builds its optimizer
+                exchange_group(param)  # fails now, not at the first step, if its group was never made
 
     def lr_scales(self, param: torch.Tensor, group: Mapping[str, Any]) -> list[tuple[str, tuple[int, int], float]]:
         """(block name, block shape, lr multiplier) for each block of `param`."""
