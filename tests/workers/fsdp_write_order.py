@@ -6,9 +6,10 @@ AdamW, one-rank FSDP2 on CPU) and writes OUT/stage<S>.pt as it does, plus OUT/vi
 The model (CUDA semantics that a CPU run cannot show): FSDP copies shards into its all-gather
 buffer on its own streams, which are ordered after the compute stream only by a fence: FSDP's
 root pre-forward (when it opens an iteration) or `FsdpStage.fence`. A write to a shard (seen
-through the version counters of the shard) that no fence separates from a later
-all-gather of that shard is a violation: on a GPU with more than one rank, that all-gather
-may read the shard before the write lands.
+through the version counters of the shard), or a change of the storage it is in (2BW's version
+switches exchange it with the side shard's, written earlier), that no fence separates from a
+later all-gather of that shard is a violation: on a GPU with more than one rank, that
+all-gather may read the shard before the write lands.
 
 VARIANT "exact"; "no-fence": `FsdpStage.fence` does nothing (the model must report
 violations); "stale-spare": 2BW's gathered side buffer is never swapped in, so computation
@@ -32,10 +33,12 @@ from titan_async.parallel.fsdp_stage import FsdpStage  # noqa: E402
 from titan_async.pipeline.versions import ShardedTwoVersions  # noqa: E402
 
 
-def _writes(param) -> tuple[int, int]:
+def _writes(param) -> tuple[int, int, int]:
     """In-place writes so far to an FSDP parameter's shard: through FSDP's flat storage, or
-    through the sharded parameter's local tensor (a separate version counter on one storage)."""
-    return param._sharded_param_data._version, param.sharded_param._local_tensor._version
+    through the sharded parameter's local tensor (a separate version counter on one storage);
+    and that storage."""
+    flat = param._sharded_param_data
+    return flat._version, param.sharded_param._local_tensor._version, flat.untyped_storage().data_ptr()
 
 
 class WriteOrder:

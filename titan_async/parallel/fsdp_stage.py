@@ -35,9 +35,20 @@ schedule writes shards between a forward and a backward (a 2BW version switch, a
 step), so after every such write `fence()` makes both all-gather streams wait for the
 compute stream, exactly as the root pre-forward does. Writes cannot overtake an earlier
 all-gather's read: the compute stream already waited for every all-gather whose output it
-used. Copies between gathered parameters and side buffers run on the compute stream,
-which also runs FSDP's copy-out, so they need no fence of their own; `reshard()` fences,
-since the next all-gather may reuse the memory it frees.
+used. `reshard()` fences, since the next all-gather may reuse the memory it frees.
+
+Version switches (`exchange_storage`). 2BW keeps a second version of the shards and of the
+gathered parameters beside FSDP's own tensors and switches by exchanging storages, not
+values: every tensor that aliases FSDP's storage (`shard_storage`, `gathered_storage`: FSDP's
+flat shard or all-gather output, and the parameter's data) is pointed at the other buffer, so
+the module, the optimizer and FSDP's next all-gather (which reads that flat shard and, for the
+gathered, writes that output) follow. Views made earlier keep their storage: autograd saved
+no shard, and the gathered weights a microbatch's forward saved stay in the buffer that held
+its version. That is exact only while a gathered buffer's values change just when the version
+they hold is dropped: on a held stage FSDP frees (and so re-gathers into) a buffer only when
+the policy reshards, which it does for a dropped version only, so 2BW keeps a gathered second
+version there only. It relies on FSDP2's default all-gather (no `fsdp_pre_all_gather`
+extension: one output per parameter, which the unsharded parameter views).
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+from torch.distributed.tensor import DTensor
 
 
 class FsdpStage:
@@ -89,9 +101,23 @@ class FsdpStage:
         """Whether every unit holds its unsharded parameters."""
         return all(group.is_unsharded for group in self.groups)
 
-    def gathered_params(self) -> list[torch.Tensor]:
-        """The unsharded parameters, in a fixed order (valid while `gathered`)."""
-        return [p.unsharded_param for group in self.groups for p in group.fsdp_params]
+    def gathered_storage(self) -> list[list[torch.Tensor]]:
+        """Per unsharded parameter, in a fixed order, the tensors that alias its storage: FSDP's
+        all-gather output (the whole storage) and the parameter's data (valid while `gathered`)."""
+        storage = []
+        for group in self.groups:
+            for param in group.fsdp_params:
+                if len(param.all_gather_outputs) != 1:
+                    raise RuntimeError(f"{param._param_fqn}: FSDP all-gathers it through an extension; "
+                                       "2BW's versions need the default all-gather")
+                storage.append([param.all_gather_outputs[0], _data(param.unsharded_param)])
+        return storage
+
+    def shard_storage(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Per sharded parameter of `params`, the tensors that alias its shard's storage: FSDP's
+        padded flat shard (the whole storage, which its all-gather reads) and the parameter's local data."""
+        by_param = {id(p.sharded_param): p for group in self.groups for p in group.fsdp_params}
+        return [[by_param[id(param)]._sharded_param_data, _data(param)] for param in params]
 
     def reshard(self) -> None:
         """Free the unsharded parameters; the next forward or backward gathers the shards. Fenced:
@@ -111,3 +137,30 @@ class FsdpStage:
             if hasattr(ctx, "all_gather_stream"):  # streams exist after FSDP's lazy init (the first forward)
                 ctx.all_gather_copy_in_stream.wait_stream(current)
                 ctx.all_gather_stream.wait_stream(current)
+
+
+def exchange_storage(holders: list[torch.Tensor], other: torch.Tensor) -> torch.Tensor:
+    """Point every tensor of `holders` (aliases of one storage, the first spanning it, as
+    `gathered_storage` and `shard_storage` list them) at `other`'s storage instead, each keeping its
+    sizes, strides and offset; return the tensor laid out as `other` on the storage they held.
+    No values are copied (see the module docstring)."""
+    held = _on_storage(other, holders[0].untyped_storage())
+    for tensor in holders:
+        tensor.data = _on_storage(tensor, other.untyped_storage())
+    return held
+
+
+def spare_storage(holders: list[torch.Tensor]) -> torch.Tensor:
+    """An uninitialised buffer for `exchange_storage` with `holders`: laid out as the last of them,
+    on a new storage of the size of theirs."""
+    return _on_storage(holders[-1], torch.empty_like(holders[0]).untyped_storage())
+
+
+def _on_storage(like: torch.Tensor, storage: torch.UntypedStorage) -> torch.Tensor:
+    """A tensor with `like`'s dtype, sizes, strides and storage offset, on `storage`."""
+    return torch.empty(0, dtype=like.dtype, device=like.device).set_(storage, like.storage_offset(), like.size(), like.stride())
+
+
+def _data(param: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding `param`'s (local) values: a DTensor's local tensor, else `param` itself."""
+    return param._local_tensor if isinstance(param, DTensor) else param

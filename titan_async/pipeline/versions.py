@@ -19,7 +19,7 @@ import torch
 from torch.autograd import _unsafe_preserve_version_counter
 from torch.distributed.tensor import DTensor
 
-from titan_async.parallel.fsdp_stage import FsdpStage
+from titan_async.parallel.fsdp_stage import FsdpStage, exchange_storage, spare_storage
 from titan_async.pipeline.load_balance import versioned_tensors
 
 
@@ -156,9 +156,11 @@ class ShardedTwoVersions(OneStepDelay):
     (`shard_version`); one side shard holds the other. Gathered: FSDP's unsharded parameters
     hold one version (`gathered_version`) and, once a stage has gathered both (2BW's tail
     backwards run on the older one while the forwards run on the newer), a gathered side
-    buffer holds the other, so that switching between them is a local copy and each version
-    is all-gathered once. Invariant: when the latest version is active and gathered, the
-    shard holds it too (checkpoints save the shard, and the next update starts from it).
+    buffer holds the other on a stage that holds its units gathered, so that each version is
+    all-gathered once. Switching to the side shard or the side buffer exchanges storages
+    (`fsdp_stage.exchange_storage`): no bytes are copied. Invariant: when the latest version
+    is active and gathered, the shard holds it too (checkpoints save the shard, and the next
+    update starts from it).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], microbatches: int, stage: FsdpStage,
@@ -172,6 +174,7 @@ class ShardedTwoVersions(OneStepDelay):
         # side shard left None holds the shard's values and is copied out when first needed.
         self.side: list[torch.Tensor] | None = None
         self.shard_version, self.side_version = 1, 0
+        self.exchanged = False  # whether the shards are in the storage the side shard was made with
         self.gathered_version: int | None = None
         self.spare: list[torch.Tensor] | None = None
         self.spare_version: int | None = None
@@ -180,20 +183,22 @@ class ShardedTwoVersions(OneStepDelay):
         return version in (self.updates, self.updates + 1)
 
     def _side(self) -> list[torch.Tensor]:
+        """The side shards (laid out as the parameters' shards, for `exchange_storage`)."""
         if self.side is None:
-            self.side = [_local(p).clone() for p in self.params]
+            self.side = [spare_storage(holders) for holders in self.stage.shard_storage(self.params)]
+            for param, side in zip(self.params, self.side):
+                side.copy_(_local(param))
         return self.side
 
     def _swap_shards(self) -> None:
         if self.side is not None:
-            for param, side in zip(self.params, self.side):
-                _swap(_local(param), side)
+            self.side = [exchange_storage(holders, side) for holders, side in zip(self.stage.shard_storage(self.params), self.side)]
+            self.exchanged = not self.exchanged
             self.stage.fence()
         self.shard_version, self.side_version = self.side_version, self.shard_version
 
     def _swap_gathered(self) -> None:
-        for param, spare in zip(self.stage.gathered_params(), self.spare):
-            _swap(param.data, spare)
+        self.spare = [exchange_storage(holders, spare) for holders, spare in zip(self.stage.gathered_storage(), self.spare)]
         self.gathered_version, self.spare_version = self.spare_version, self.gathered_version
 
     def activate(self, batch: int) -> None:
@@ -204,13 +209,10 @@ class ShardedTwoVersions(OneStepDelay):
             if self.spare_version == batch:
                 self._swap_gathered()
             else:
-                if self._alive(self.gathered_version):
-                    gathered = self.stage.gathered_params()
+                if self.stage.manual and self._alive(self.gathered_version):  # kept as the spare (see FsdpStage)
                     if self.spare is None:
-                        self.spare = [torch.empty_like(p) for p in gathered]
-                    for param, spare in zip(gathered, self.spare):
-                        spare.copy_(param.data)
-                    self.spare_version = self.gathered_version
+                        self.spare = [spare_storage(holders) for holders in self.stage.gathered_storage()]
+                    self._swap_gathered()
                 self.stage.reshard()
         if not self.stage.gathered:
             self.stage.reshard()  # units FSDP left gathered hold older weights
@@ -222,17 +224,16 @@ class ShardedTwoVersions(OneStepDelay):
 
     def apply_update(self, batch: int, optimizer_step: Callable[[], None]) -> None:
         """U_{batch+2} = U_{batch+1} - Opt(g_batch): the shard steps from U_{batch+1}, the side
-        shard keeps U_{batch+1}, and U_batch is dropped."""
+        shard keeps U_{batch+1}, and U_batch is dropped. U_{batch+1} is in the parameters' own
+        storage (the last update wrote it there), live again first if a switch had exchanged
+        it: so the latest version is always there, where whatever keeps the parameters'
+        tensors (a checkpointer's cache of them, DCP's staging buffers) finds it after a drain."""
         self.stage.reduce()
         latest = batch + 1
-        if self.shard_version == latest:
-            for param, side in zip(self.params, self._side()):
-                side.copy_(_local(param))
-        elif self.side is not None:
-            for param, side in zip(self.params, self.side):
-                _local(param).copy_(side)
-        else:
-            self._side()
+        if self.exchanged:
+            self._swap_shards()
+        for param, side in zip(self.params, self._side()):
+            side.copy_(_local(param))
         self.updates += 1
         if self.buffers:
             self.buffers.start_update(batch)
@@ -268,20 +269,16 @@ class ShardedTwoVersions(OneStepDelay):
 
     def load_state_dict(self, state: dict[str, torch.Tensor], names: list[str], step: int) -> None:
         """Restore both versions after a checkpoint at `step` loaded U_{step+1} into the shard."""
-        self.side = [_local(state[name]).clone() for name in names[: len(self.params)]]
+        self.side = [spare_storage(holders) for holders in self.stage.shard_storage(self.params)]
+        for side, name in zip(self.side, names):
+            side.copy_(_local(state[name]))
+        self.exchanged = False
         if self.buffers:
             self.buffers.load_state_dict(state, names[len(self.params):], step)
         self.shard_version, self.side_version = step + 1, step
         self.gathered_version = self.spare_version = None
         self.backwards.clear()
         self.updates = step
-
-
-def _swap(a: torch.Tensor, b: torch.Tensor) -> None:
-    """Exchange the values of two tensors of one shape, in place."""
-    held = a.clone()
-    a.copy_(b)
-    b.copy_(held)
 
 
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
