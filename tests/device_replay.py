@@ -18,7 +18,8 @@ logged order (independently of the code that wrote the log):
 It reports each rank's compute intervals, its window ends (device time at each step marker)
 and every *stall*: a compute-stream wait, outside drains, on a collective of ranks of more
 than one pipeline stage that holds the compute stream up, which makes a stage wait for
-another stage's progress at a step boundary.
+another stage's progress at a step boundary. torchtitan's barrier after a process's first step
+is reported apart (`DeviceReplay.start_barriers`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class DeviceReplay:
     ranks: dict[int, RankTimes]
     stalls: list[str]
     stuck: dict[int, str]
+    start_barriers: list[str] = field(default_factory=list)
+    """Stalls on torchtitan's barrier after a process's first step (`set_pg_timeouts`, which
+    also synchronises the device): one flush per start or restart, by design, kept apart."""
 
     def idle_share(self, rank: int) -> float:
         """The rank's idle share of its compute stream over its steady windows: each from the
@@ -113,7 +117,9 @@ def replay(logs: dict[int, list[dict]], stage_of: Callable[[int], int], costs: d
     host = {rank: 0.0 for rank in logs}
     step = {rank: None for rank in logs}
     draining = {rank: True for rank in logs}
+    first_step: dict[int, int] = {}
     stalls: list[str] = []
+    start_barriers: list[str] = []
     progress = True
     while progress:
         progress = False
@@ -126,12 +132,13 @@ def replay(logs: dict[int, list[dict]], stage_of: Callable[[int], int], costs: d
                     compute[rank] = begin + costs[record["action"].lstrip("0123456789")[0]]
                     times[rank].actions.append((record["action"], begin, compute[rank]))
                 elif op in ("step", "drain"):
-                    if step[rank] is not None and not draining[rank]:
+                    if step[rank] is not None and not draining[rank] and times[rank].actions:
                         times[rank].window_end[step[rank]] = times[rank].actions[-1][2]
                         if op == "drain":
                             times[rank].drained_after.add(step[rank])
                     if op == "step":
                         step[rank] = record["step"]
+                        first_step.setdefault(rank, step[rank])
                     draining[rank] = op == "drain"
                 elif op in ("send", "recv", "batch", "coll"):
                     issued[id(by_id[(rank, record["id"])])] = max(compute[rank], host[rank])
@@ -144,13 +151,15 @@ def replay(logs: dict[int, list[dict]], stage_of: Callable[[int], int], costs: d
                         host[rank] = max(host[rank], done)
                     else:
                         if done > compute[rank] and not draining[rank] and spans_stages(unit):
-                            stalls.append(f"rank {rank}, step {step[rank]}: the compute stream waits {done - compute[rank]:.2f} "
-                                          f"for {unit.label}#{unit.op_id}")
+                            at_start = unit.parts[0][0] == "coll:barrier" and step[rank] == first_step[rank]
+                            (start_barriers if at_start else stalls).append(
+                                f"rank {rank}, step {step[rank]}: the compute stream waits {done - compute[rank]:.2f} "
+                                f"for {unit.label}#{unit.op_id}")
                         compute[rank] = max(compute[rank], done)
                 position[rank] += 1
                 progress = True
     stuck = {rank: str(logs[rank][position[rank]]) for rank in logs if position[rank] < len(logs[rank])}
-    return DeviceReplay(times, stalls, stuck)
+    return DeviceReplay(times, stalls, stuck, start_barriers)
 
 
 def assert_flows_as_simulated(directory: Path, schedule: str, stages: int, microbatches: int, ranks_per_stage: int = 1,

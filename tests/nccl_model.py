@@ -223,10 +223,11 @@ def live_bytes(records: list[dict]) -> int:
 def assert_nccl_safe(directory: Path, stages: int, bounded: bool = True, ranks_per_stage: int = 1) -> None:
     """The run logged in `directory` (rank r holds stage r // ranks_per_stage: the pipeline is
     the outermost mesh dimension) completes under the model without a size mismatch, also with
-    a device-wide synchronisation before any one send, and replayed in device time no stage's
-    compute waits on a collective with other stages outside drains (`device_replay`); with
-    `bounded`, a rank of stage s never has more than p - s single sends or receives per peer
-    direction outstanding (w + 1 for w = p-1-s microbatches in flight)."""
+    a device-wide synchronisation before any one send. With `bounded` (a streaming schedule),
+    a rank of stage s never has more than p - s single sends or receives per peer direction
+    outstanding (w + 1 for w = p-1-s microbatches in flight), and replayed in device time no
+    stage's compute waits on a collective with other stages outside drains (`device_replay`;
+    torch's schedules do at every flush, by design)."""
     import device_replay  # it builds on this model
 
     logs = read_logs(directory)
@@ -234,9 +235,9 @@ def assert_nccl_safe(directory: Path, stages: int, bounded: bool = True, ranks_p
     result = replay(logs)
     assert not result.mismatches and not result.deadlocked, (result.completed, result.total, result.stuck, result.mismatches[:3])
     assert_safe_under_device_syncs(logs)
-    in_time = device_replay.replay(logs, lambda rank: rank // ranks_per_stage)
-    assert not in_time.stuck and not in_time.stalls, (in_time.stuck, in_time.stalls[:4])
     if bounded:
+        in_time = device_replay.replay(logs, lambda rank: rank // ranks_per_stage)
+        assert not in_time.stuck and not in_time.stalls, (in_time.stuck, in_time.stalls[:4])
         for rank, records in logs.items():
             most = outstanding(records)
             assert most and max(most.values()) <= stages - rank // ranks_per_stage, (rank, most)

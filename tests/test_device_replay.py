@@ -87,3 +87,21 @@ def test_the_stop_agreement_as_it_was_stalls_in_the_replay():
     """`with_immediate_world_waits` turns the side-stream agreement into the former one."""
     before = device_replay.with_immediate_world_waits(slower_last_stage(two_stages("side")))
     assert device_replay.replay(before, lambda rank: rank).stalls == ["rank 0, step 1: the compute stream waits 0.50 for all_reduce@w#3"]
+
+
+def test_torchtitans_barrier_after_the_first_step_is_kept_apart():
+    """A barrier in a process's first step is torchtitan's timeout switch (one flush per start);
+    anywhere later it is a stall like any other."""
+    logs = slower_last_stage(two_stages("compute"))
+    for records in logs.values():
+        for record in records:
+            if record.get("kind") == "all_reduce":
+                record["kind"] = "barrier"
+    result = device_replay.replay(logs, lambda rank: rank)
+    assert result.start_barriers == ["rank 0, step 1: the compute stream waits 0.50 for barrier@w#3"] and not result.stalls
+    for records in logs.values():
+        for record in records:
+            if record["op"] == "step":
+                record["step"] += 1
+    logs[0].insert(2, {"op": "step", "step": 1})  # rank 0 started a step earlier: its barrier is in its second step
+    assert device_replay.replay(logs, lambda rank: rank).stalls == ["rank 0, step 2: the compute stream waits 0.50 for barrier@w#3"]
