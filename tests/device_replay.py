@@ -1,4 +1,4 @@
-"""A replay of per-rank communication logs (titan_async.run.comm_log) in device time.
+"""A replay of per-rank communication logs (titan_async.core.comm_log) in device time.
 
 The NCCL model (`nccl_model`) says whether a run can complete; this replay says when each
 rank's compute stream is busy, under the same rules in time, as a CUDA device would run the

@@ -1,4 +1,4 @@
-"""A model of NCCL's ordering rules, replaying per-rank communication logs (titan_async.run.comm_log).
+"""A model of NCCL's ordering rules, replaying per-rank communication logs (titan_async.core.comm_log).
 
 Written from NCCL's and torch's documented behaviour, independently of the transport it checks
 (torch/distributed/distributed_c10d.py: "tag is not supported with the NCCL backend";

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import CONFIGS, REPO, TINY, cli_in_process, fresh_environment, losses, run_cli, sets
-from titan_async.run.checkpoints import damage
+from titan_async.rundir.checkpoints import damage
 
 PP_2BW_REPLICAS = ("--config", str(CONFIGS / "debug_cpu_pp2_2bw.toml"), "--nproc-per-node", "4",
                    *sets(*TINY, "training.steps=10", "checkpoint.interval=2", "parallelism.data_parallel_replicate_degree=2"))

@@ -1,6 +1,7 @@
 """The package layout the README's code map describes, read from the source with `ast`:
 no import cycles (lazy imports inside functions count), a root of the CLI and subpackages
-only, commands that import no other command, and tools/ holding scripts only."""
+only, ground floors (`core/`, `rundir/`) that import nothing above them, commands that import
+no other command, and tools/ holding scripts only."""
 
 from __future__ import annotations
 
@@ -68,6 +69,19 @@ def test_root_holds_cli_and_subpackages_only():
         init = folder / "__init__.py"
         assert init.is_file(), f"{folder.name}/ is not a package"
         assert ast.get_docstring(ast.parse(init.read_text())), f"{folder.name}/__init__.py says nothing of what it owns"
+
+
+def package_of(name: str) -> str:
+    return name.split(".")[1] if "." in name else ""
+
+
+def test_ground_floors_import_nothing_above_them():
+    """`core/` imports no other package of ours, and the run-directory store (`rundir/`) only
+    `core/`: following an import never climbs from them to config/, train/ or the process layer."""
+    allowed = {"core": {"core"}, "rundir": {"rundir", "core"}}
+    climbing = [(name, target) for name in GRAPH if package_of(name) in allowed
+                for target in GRAPH[name] if package_of(target) not in allowed[package_of(name)]]
+    assert not climbing, climbing
 
 
 def test_no_command_imports_another():

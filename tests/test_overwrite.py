@@ -8,7 +8,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import TINY, cli_in_process, run_cli, sets
-from titan_async.run.overwrite import claim, release_overwritten
+from titan_async.rundir.overwrite import claim, release_overwritten
 
 
 def _files(folder):

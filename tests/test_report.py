@@ -13,7 +13,7 @@ import pytest
 from matplotlib.figure import Figure
 
 from conftest import CONFIGS, TINY, cli_in_process, metrics, run_cli, sets
-from titan_async.run import directory as runs
+from titan_async.rundir import directory as runs
 from titan_async.commands.report import write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -137,8 +137,9 @@ def _config_path(name: str | None) -> Path:
 
 def _train(args) -> int:
     from titan_async.config.run_config import load_run_config, render_toml
-    from titan_async.run import directory as runs, process
-    from titan_async.run.overwrite import claim
+    from titan_async.run import process
+    from titan_async.rundir import directory as runs
+    from titan_async.rundir.overwrite import claim
 
     _check_max_restarts(args.max_restarts)
     path = _config_path(args.config)
@@ -164,8 +165,9 @@ def _train(args) -> int:
 def _resume(args) -> int:
     from titan_async.config.assemble import check_resumable, refuse_switches, trainer_config
     from titan_async.config.run_config import load_run_config, render_toml
-    from titan_async.run import directory as runs, process
-    from titan_async.run.checkpoints import resume_point
+    from titan_async.run import process
+    from titan_async.rundir import directory as runs
+    from titan_async.rundir.checkpoints import resume_point
 
     _check_max_restarts(args.max_restarts)
     settings = runs.load_launch(args.run_dir)
@@ -190,10 +192,10 @@ def _resume(args) -> int:
 
 
 def _coordinator_lock(directory: Path):
-    """The run directory's lock (titan_async.run.lock) in the process that writes the run
+    """The run directory's lock (titan_async.rundir.lock) in the process that writes the run
     directory; none in other ranks, nor in workers torchrun restarted (the first attempt took it)."""
     from titan_async.run import process
-    from titan_async.run.lock import run_dir_lock
+    from titan_async.rundir.lock import run_dir_lock
 
     if process.is_coordinator() and not process.restart_count():
         return run_dir_lock(directory)
@@ -214,9 +216,10 @@ def _check_max_restarts(count: int) -> None:
 
 
 def _launch(directory: Path, nproc: int, verbose: bool, run, max_restarts: int) -> int:
-    from titan_async.run import directory as runs, launch, process
-    from titan_async.run.overwrite import release_overwritten
-    from titan_async.run.record import diverged_validation
+    from titan_async.run import launch, process
+    from titan_async.rundir import directory as runs
+    from titan_async.rundir.overwrite import release_overwritten
+    from titan_async.rundir.record import diverged_validation
 
     status = launch.run(directory, nproc, verbose, run, max_restarts)
     if not process.is_coordinator():

@@ -1,4 +1,4 @@
-"""What checkpoint checksums cost: seconds per GiB of `titan_async.run.checksums.crc32` on a file
+"""What checkpoint checksums cost: seconds per GiB of `titan_async.rundir.checksums.crc32` on a file
 of this machine's disk (page cache warm after the first repetition), min/median/max.
 
     python tools/bench_checksums.py [--mib 1024] [--reps 5] [--dir /path/on/the/checkpoint/disk]
@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from titan_async.run.checksums import crc32
+from titan_async.rundir.checksums import crc32
 
 
 def main() -> None:

@@ -119,7 +119,7 @@ def worker(run_dir: Path) -> int:
 def train_measured(run, nproc: int, run_dir: Path) -> dict[int, int]:
     """Train `run` on `nproc` local processes into `run_dir`; rank -> measured peak bytes."""
     from titan_async.config.run_config import render_toml
-    from titan_async.run import directory as runs
+    from titan_async.rundir import directory as runs
 
     run_dir.mkdir(parents=True, exist_ok=True)
     runs.save_launch(run_dir, render_toml(run), nproc)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from titan_async.commands.compare import smooth
 from titan_async.experiments.jobs import ROOT, Job, run_jobs, run_recorded
-from titan_async.run.record import TRAIN_LOSS, VALIDATION_LOSS
+from titan_async.rundir.record import TRAIN_LOSS, VALIDATION_LOSS
 
 OPTIMIZERS = ("adamw", "muon")
 OPTIMIZER_LABELS = {"adamw": "AdamW", "muon": "Muon"}

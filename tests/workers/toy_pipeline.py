@@ -32,7 +32,7 @@ from torchtitan.distributed.activation_checkpoint import FullAC
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import toy_problem as toy  # noqa: E402
 
-from titan_async.run import comm_log  # noqa: E402
+from titan_async.core import comm_log  # noqa: E402
 from titan_async.pipeline.executor import Microbatch, StageExecutor  # noqa: E402
 from titan_async.pipeline.stream import StreamEngine  # noqa: E402
 from titan_async.pipeline.trace import Timeline  # noqa: E402

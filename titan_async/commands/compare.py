@@ -20,9 +20,9 @@ import numpy as np
 
 from titan_async.commands import pages
 from titan_async.core.errors import UserError
-from titan_async.run import directory as run_dir
-from titan_async.run.benchmarks import latest_results, read_results
-from titan_async.run.record import TRAIN_LOSS, VALIDATION_LOSS, RunRecord, read_run, series
+from titan_async.rundir import directory as run_dir
+from titan_async.rundir.benchmarks import latest_results, read_results
+from titan_async.rundir.record import TRAIN_LOSS, VALIDATION_LOSS, RunRecord, read_run, series
 from titan_async.train.progress import TRAINING_SECONDS
 
 TOKENS = "n_tokens_seen"

@@ -23,7 +23,7 @@ from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 from titan_async.core.errors import UserError
 from titan_async.model.hf_conversion import DTYPES, conversion, hf_fast_tokenizer, read_hf_tensors
-from titan_async.run.checkpoints import checked_step
+from titan_async.rundir.checkpoints import checked_step
 
 SHARD_BYTES = 5 * 2**30
 """Largest safetensors file written (Hugging Face's default shard size)."""

@@ -9,9 +9,9 @@ import statistics
 from pathlib import Path
 
 from titan_async.commands.pages import html_figure, html_page, html_table, line_chart, page_path
-from titan_async.run import directory as runs
-from titan_async.run.benchmarks import HEADER, read_results, table_rows
-from titan_async.run.record import BUBBLE, MEMORY, THROUGHPUT, TRAIN_LOSS, VALIDATION_LOSS, RunRecord, read_run, series
+from titan_async.rundir import directory as runs
+from titan_async.rundir.benchmarks import HEADER, read_results, table_rows
+from titan_async.rundir.record import BUBBLE, MEMORY, THROUGHPUT, TRAIN_LOSS, VALIDATION_LOSS, RunRecord, read_run, series
 
 GROUP_TABLE = "optimizer_groups.txt"
 TIMELINE = Path("pipeline") / "timeline.png"

@@ -1,2 +1,3 @@
 """What every other package may import, and which imports none of them: the error that reaches
-the user as one line (`errors`) and the adaptation of torchtitan to the machine (`platform`)."""
+the user as one line (`errors`), the adaptation of torchtitan to the machine (`platform`) and the
+per-rank communication log (`comm_log`)."""

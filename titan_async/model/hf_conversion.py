@@ -28,7 +28,7 @@ from titan_async.config.run_config import load_run_config
 from titan_async.core.errors import UserError
 from titan_async.data.sources import tokenizer_dir
 from titan_async.model.meta import build_meta_model
-from titan_async.run import directory as runs
+from titan_async.rundir import directory as runs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from titan_async.core import comm_log
 from titan_async.pipeline import actions as plan
 from titan_async.pipeline.executor import Microbatch, StageExecutor
-from titan_async.run import comm_log
 
 
 class StreamEngine:

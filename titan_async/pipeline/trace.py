@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from titan_async.run import comm_log
+from titan_async.core import comm_log
 
 Mark = tuple[float, object]
 """A point in time: host seconds, and on CUDA the event recorded on the current stream there."""

@@ -15,10 +15,10 @@ import traceback
 import warnings
 from pathlib import Path
 
-from titan_async.core import platform
+from titan_async.core import comm_log, platform
 from titan_async.core.platform import DropMessages
-from titan_async.run import checkpoints, comm_log, directory as runs
-from titan_async.run.after_save import AfterSaves
+from titan_async.rundir import checkpoints, directory as runs
+from titan_async.rundir.after_save import AfterSaves
 from titan_async.run.process import exit_with_parent, name_worker, restart_count
 
 

@@ -7,7 +7,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from titan_async.run import comm_log
+from titan_async.core import comm_log
 
 
 class LateRead:

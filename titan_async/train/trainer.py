@@ -28,12 +28,12 @@ from torchtitan.components.checkpointer.base import MODEL
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from titan_async.core import comm_log
 from titan_async.model.init import reinitialize_by_name
 from titan_async.optim import write_param_group_table
 from titan_async.parallel.fsdp_traffic import count_fsdp_traffic
 from titan_async.pipeline.schedules import StreamingSchedule
 from titan_async.pipeline.versions import TwoVersions
-from titan_async.run import comm_log
 from titan_async.train.benchmarks import EvalSection, PeriodicBenchmarks
 from titan_async.train.checkpoint_state import LiveModelState, RNGState, WeightVersionState
 from titan_async.train.delayed_steps import DelayedSteps

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from titan_async.run import directory as runs
+from titan_async.rundir import directory as runs
 
 
 def configure_main_run(run_dir: Path, config) -> None:

@@ -24,8 +24,9 @@ from torchtitan.components.loss import IGNORE_INDEX
 
 from titan_async.config.assemble import trainer_config
 from titan_async.config.run_config import RunConfig, load_run_config
-from titan_async.run import directory as runs, process
-from titan_async.run.checkpoints import checked_step
+from titan_async.run import process
+from titan_async.rundir import directory as runs
+from titan_async.rundir.checkpoints import checked_step
 
 
 def _single_process(run: RunConfig) -> RunConfig:

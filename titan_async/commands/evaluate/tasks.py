@@ -25,8 +25,8 @@ from rich.table import Table
 
 from titan_async.core.errors import UserError
 from titan_async.model.hf_conversion import conversion, hf_fast_tokenizer, read_hf_tensors
-from titan_async.run.benchmarks import HEADER, result_rows, save_results
-from titan_async.run.checkpoints import checked_step
+from titan_async.rundir.benchmarks import HEADER, result_rows, save_results
+from titan_async.rundir.checkpoints import checked_step
 
 HARNESS = f"lm-eval {version('lm-eval')}"
 TASK_FILE_SUFFIXES = (".yaml", ".yml")

@@ -13,8 +13,8 @@ import shutil
 from pathlib import Path
 
 from titan_async.core.errors import UserError
-from titan_async.run.checkpoints import has_intact_checkpoint
-from titan_async.run.directory import CHECKPOINT_DIR, OVERWRITTEN_DIR, RUN_FILES
+from titan_async.rundir.checkpoints import has_intact_checkpoint
+from titan_async.rundir.directory import CHECKPOINT_DIR, OVERWRITTEN_DIR, RUN_FILES
 
 _PARTIAL = OVERWRITTEN_DIR + ".partial"
 

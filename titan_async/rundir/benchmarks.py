@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from titan_async.run import directory as runs
+from titan_async.rundir import directory as runs
 
 BENCHMARKS_DIR = "benchmarks"
 HEADER = ["step", "task", "metric", "value", "stderr", "few-shot", "samples"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titan_async.core.errors import UserError
-from titan_async.run import directory as runs
+from titan_async.rundir import directory as runs
 
 TRAIN_LOSS = "loss_metrics/global_avg_loss"
 VALIDATION_LOSS = "validation_metrics/loss"

@@ -11,8 +11,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from titan_async.core.errors import UserError
-from titan_async.run import checksums
-from titan_async.run.directory import CHECKPOINT_DIR
+from titan_async.rundir import checksums
+from titan_async.rundir.directory import CHECKPOINT_DIR
 
 
 def damage(checkpoint: Path) -> str | None:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from titan_async.run import directory as runs
-from titan_async.run.checksums import ChecksumRecorder
-from titan_async.run.overwrite import release_overwritten
+from titan_async.rundir import directory as runs
+from titan_async.rundir.checksums import ChecksumRecorder
+from titan_async.rundir.overwrite import release_overwritten
 
 
 class AfterSaves:
