@@ -9,12 +9,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
-from torchtitan.components.checkpointer.base import ModelWrapper
+from torchtitan.components.checkpointer.base import MODEL, ModelWrapper
 from torchtitan.trainer import Trainer
 
 from titan_async.model.init import canonical_name
 from titan_async.pipeline.load_balance import StageLoadBalance, versioned_tensors
-from titan_async.pipeline.versions import OneStepDelay
+from titan_async.pipeline.versions import OneStepDelay, TwoVersions
 
 
 def policy_names(model: torch.nn.Module, policy) -> list[str]:
@@ -72,3 +72,13 @@ class LiveModelState(ModelWrapper):
 
     def state_dict(self) -> dict[str, Any]:
         return self._get_state_dict()
+
+
+def keep_weight_versions(trainer: Trainer, steps) -> None:
+    """Have the checkpointer save and load the step runner's weight policies and load balances
+    (nothing without policies), and, under `TwoVersions`, the live parameters (`LiveModelState`)."""
+    if not steps.policies or not trainer.checkpointer.enable:
+        return
+    trainer.checkpointer.states["weight_versions"] = WeightVersionState(steps.policies, steps.balances, trainer)
+    if any(isinstance(policy, TwoVersions) for policy, _ in steps.policies.values()):
+        trainer.checkpointer.states[MODEL] = LiveModelState(trainer.model_parts)

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torchtitan.components.checkpointer.base import MODEL
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
@@ -33,9 +32,8 @@ from titan_async.model.init import reinitialize_by_name
 from titan_async.optim import write_param_group_table
 from titan_async.parallel.fsdp_traffic import count_fsdp_traffic
 from titan_async.pipeline.schedules import StreamingSchedule
-from titan_async.pipeline.versions import TwoVersions
 from titan_async.train.benchmarks import EvalSection, PeriodicBenchmarks
-from titan_async.train.checkpoint_state import LiveModelState, RNGState, WeightVersionState
+from titan_async.train.checkpoint_state import RNGState, keep_weight_versions
 from titan_async.train.delayed_steps import DelayedSteps
 from titan_async.train.health import HealthGuard, HealthSection
 from titan_async.train.late_read import LateMax
@@ -111,11 +109,7 @@ class AsyncTrainer(Trainer):
         self.fsdp_traffic = count_fsdp_traffic(self.model_parts)
         self.save_hooks = SaveHooks(self.checkpointer)
         self.steps = self._step_runner()
-        policies = self.steps.policies
-        if policies and self.checkpointer.enable:
-            self.checkpointer.states["weight_versions"] = WeightVersionState(policies, self.steps.balances, self)
-            if any(isinstance(policy, TwoVersions) for policy, _ in policies.values()):
-                self.checkpointer.states[MODEL] = LiveModelState(self.model_parts)
+        keep_weight_versions(self, self.steps)
         self.benchmarks = self._benchmark_after_saves(config)
         self.rank_wandb = None
 
