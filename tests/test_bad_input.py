@@ -254,3 +254,68 @@ def test_a_config_error_in_train_imports_neither_the_trainer_nor_the_data_pipeli
     args = ["train", "--run-dir", str(tmp_path / "run"), "--set", "training.stepz=1"]
     result = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=120)
     assert "training.stepz" in result.stderr and result.stderr.strip().splitlines()[-1] == "[]", result.stderr
+
+
+STAGES_OF_TWO = [["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "lm_head"]]
+
+
+@pytest.mark.parametrize("split, message", [
+    ([STAGES_OF_TWO[0], [*STAGES_OF_TWO[1][:-1], "output"]], "names 'output', which is no module of this model"),
+    ([STAGES_OF_TWO[0], STAGES_OF_TWO[1][:-1]], "leaves out lm_head"),
+    ([STAGES_OF_TWO[0], ["layers.1", *STAGES_OF_TWO[1]]], "places 'layers.1' on more than one stage"),
+])
+def test_a_split_that_misplaces_a_module_is_refused_by_train_and_plan(capsys, tmp_path, split, message):
+    """torchtitan would build stages without the head (or with a layer twice); train and plan refuse."""
+    assignments = sets("model.n_layers=4", f"parallelism.module_fqns_per_model_part={split}".replace("'", '"'))
+    for command in (["train", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run")], ["plan", "--gpus-per-node", "2"]):
+        err = fail(capsys, *command, "--config", str(CONFIGS / "debug_cpu_pp2.toml"), *assignments)
+        assert f"parallelism.module_fqns_per_model_part {message}" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("schedule, local_batch, message", [
+    ("1F1B", 2, "'1F1B' needs at least as many microbatches per flush as stages: training.local_batch_size / "
+                "parallelism.pipeline_parallel_microbatch_size = 2 < 4 stages"),
+    ("DualPipeV", 4, "'DualPipeV' needs at least as many microbatches per flush as stages: training.local_batch_size / "
+                     "parallelism.pipeline_parallel_microbatch_size = 4 < 8 stages"),
+    ("Interleaved1F1B", 9, "'Interleaved1F1B' needs the microbatches per flush to be a multiple of their rounds "
+                           "(microbatches // pipeline_parallel_degree = 2)"),
+])
+def test_microbatches_torchs_schedule_refuses_are_refused_in_one_line(capsys, schedule, local_batch, message):
+    """Before launch, where torch would raise in every worker (plan's dry run built the schedule)."""
+    assignments = sets("model.n_layers=8", "parallelism.pipeline_parallel_degree=4", f"parallelism.pipeline_parallel_schedule={schedule}",
+                       f"training.local_batch_size={local_batch}", "parallelism.pipeline_parallel_microbatch_size=1",
+                       "validation.enable=false")
+    err = fail(capsys, "plan", "--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--gpus-per-node", "4", *assignments)
+    assert message in err, err
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+def test_the_microbatch_check_refuses_exactly_what_torchs_schedules_refuse(schedule):
+    """torch's schedule builder (its visualizer's, on mock stages; 2 stages per rank for the
+    multi-stage schedules) is the reference, for p = 2..5 and m = 1..12."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    from titan_async.pipeline.split import check_microbatches
+
+    single = schedule in ("1F1B", "GPipe")
+    for pp in range(2, 6):
+        for microbatches in range(1, 13):
+            try:
+                get_schedule_ops(schedule, pp, microbatches)
+                torch_refuses = False
+            except ValueError:
+                torch_refuses = True
+            try:
+                check_microbatches(schedule, microbatches, pp if single else 2 * pp, pp)
+                refused = False
+            except ValueError:
+                refused = True
+            assert refused == torch_refuses, (schedule, pp, microbatches, torch_refuses)
+
+
+def test_simulate_with_fewer_microbatches_than_stages_is_refused_in_one_line(capsys):
+    err = fail(capsys, "plan", "--config", str(CONFIGS / "10b_2bw_muon.toml"), "--nodes", "8", "--gpus-per-node", "8",
+               "--simulate", *sets("training.local_batch_size=4"))
+    assert "--simulate compares every schedule with 1F1B, which needs at least as many microbatches per flush as stages" in err
+    assert "= 4 < 8 stages" in err

@@ -99,7 +99,7 @@ def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncT
     except ValueError as err:
         raise UserError(f"{run.source}: {err}") from None
     try:
-        split_stages(run.parallelism, model_spec.model)
+        split_stages(run.parallelism, model_spec.model, run.microbatches())
     except ValueError as err:
         raise UserError(f"{run.source}: {err}") from None
     if run.checkpoint.initial_load_in_hf:

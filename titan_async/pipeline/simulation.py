@@ -489,6 +489,8 @@ def compare(ranks: int, microbatches: int, costs: Costs, *, flushes: int = 1, ac
                                     flushes=flushes, accumulation=accumulation))
         except Exception as err:  # torch refuses some (p, m) in its own words
             skipped[name] = f"{type(err).__name__}: {err}".splitlines()[0]
-    baseline = next(r.step_time for r in results if r.name == "1F1B")
+    baseline = next((r.step_time for r in results if r.name == "1F1B"), None)
+    if baseline is None:
+        raise ValueError(f"1F1B, the reference of every ratio, cannot run here: {skipped.get('1F1B', 'not among the schedules')}")
     best = min(r.step_time for r in results if r.name not in STREAMING_SCHEDULES)
     return [Comparison(r, baseline / r.step_time, best / r.step_time) for r in results], skipped

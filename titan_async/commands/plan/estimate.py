@@ -149,7 +149,7 @@ def make_layout(run: RunConfig, cluster: Cluster, model_config) -> Layout:
             f"of parallelism.pipeline_parallel_microbatch_size ({p.pipeline_parallel_microbatch_size})"
         )
     try:
-        modules, ranks = split_stages(p, model_config)
+        modules, ranks = split_stages(p, model_config, run.microbatches())
     except ValueError as err:
         raise UserError(f"{run.source}: {err}") from None
     streaming = streaming_schedule(p.pipeline_parallel_schedule)

@@ -188,6 +188,10 @@ def simulate_plan(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes
     ratios, the schedules torch could not build, and the assumptions in words."""
     if layout.pp < 2:
         raise UserError(f"{run.source}: --simulate needs parallelism.pipeline_parallel_degree >= 2")
+    if layout.microbatches < layout.pp:
+        raise UserError(f"{run.source}: --simulate compares every schedule with 1F1B, which needs at least as many microbatches "
+                        f"per flush as stages: training.local_batch_size / parallelism.pipeline_parallel_microbatch_size = "
+                        f"{layout.microbatches} < {layout.pp} stages")
     accumulation = run.parallelism.paci.accumulation
     if options.costs_from:
         costs = traced_costs(options.costs_from, layout)
