@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU checklist on a machine with one CUDA GPU, run from the repository root:
 #
-#   bash tools/gpu/run.sh [probe] [fork] [ns] [tests] [1b] [deep]   (no argument: the first five, in that order)
+#   bash tools/gpu/run.sh [probe] [fork] [ns] [tests] [split] [1b] [deep]   (no argument: probe fork tests split)
 #
 # probe: GPU, Python and package versions; fork: two workers started as the launcher starts them
 # (after its config checks, float8's included) select cuda:0 and allocate (tools/gpu/fork_start.py);
 # ns: Muon's Newton-Schulz times for the 10B shapes; tests: tests/test_cuda.py and the CUDA cases of
-# tests/test_pipeline_references.py; 1b: tokens/s and memory of the 1B config, bf16 against float8;
+# tests/test_pipeline_references.py; split: what a zero-bubble split backward costs for one 10B block,
+# bf16 and float8, eager and compiled (tools/gpu/bench_split_backward.py); 1b: tokens/s and memory of the 1B config, bf16 against float8;
 # deep: tools/bench_schedules.py on the CPU (CUDA hidden) at DEEP_ARGS (default p = 4, m = 8),
 # threads per rank = the cores it may use / ranks, so `taskset -c 8-15 bash tools/gpu/run.sh deep`
 # runs beside the GPU parts on the other half of the cores.
@@ -16,7 +17,7 @@
 # Environment: TESTS (pytest arguments, default the CUDA tests above), PYTEST_WORKERS (default 5), TESTS_TIMEOUT (default 420 s),
 # BENCH_1B_ARGS (extra arguments of bench_1b.py), CALL_LIMIT (seconds this script may take in all:
 # the tests and the 1B runs are cut to fit, and no 1B variant starts with less than MIN_1B_S, default
-# 150 s, left).
+# 150 s, left), MIN_SPLIT_S (no split variant starts with less left, default 60 s).
 set -o pipefail
 OUT=${OUT:-docs/results/gpu/raw}
 mkdir -p "$OUT"
@@ -59,6 +60,11 @@ tests() {
     timeout $(( $(left) < cap ? $(left) : cap )) python3 -m pytest -v -rs -p no:cacheprovider --durations=0 -n "${PYTEST_WORKERS:-5}" ${TESTS:-tests/test_cuda.py tests/test_pipeline_references.py::test_emulation_under_fsdp_on_cuda_follows_the_rules} 2>&1 | tee "$OUT/tests.txt"
 }
 
+split() {
+    timeout "$(left)" python3 tools/gpu/bench_split_backward.py --config train_configs/10b_2bw_muon.toml \
+        --deadline $(( $(left) - ${MIN_SPLIT_S:-60} )) --out "$OUT/split_backward.json" 2>&1 | tee "$OUT/split_backward.txt"
+}
+
 bench_1b() {
     local seconds=$(left)
     timeout "$seconds" python3 tools/gpu/bench_1b.py --out "$OUT" --deadline $(( seconds - ${MIN_1B_S:-150} )) $BENCH_1B_ARGS
@@ -70,7 +76,7 @@ deep() {
 }
 
 status=0
-for step in "${@:-probe fork ns tests 1b}"; do
+for step in "${@:-probe fork tests split}"; do
     for part in $step; do
         echo "=== $part ($(date +%T))"
         case $part in
@@ -78,6 +84,7 @@ for step in "${@:-probe fork ns tests 1b}"; do
             fork) fork ;;
             ns) ns ;;
             tests) tests ;;
+            split) split ;;
             1b) bench_1b ;;
             deep) deep ;;
             *) echo "unknown part: $part"; exit 2 ;;
