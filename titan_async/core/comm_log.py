@@ -217,13 +217,16 @@ def note(record: dict) -> None:
 
 
 def install(directory: Path, rank: int) -> CommLog:
-    """Record this process's communication into `directory/rank<rank>.jsonl` (idempotent)."""
+    """Record this process's communication into `directory/rank<rank>.jsonl` (idempotent). A
+    function an older torch lacks (torch 2.11 has no `all_gather_single`) is left out."""
     global _installed
     if _installed is not None:
         return _installed
     log = CommLog(Path(directory) / f"rank{rank}.jsonl")
     for name in _P2P + _COLLECTIVES + ("batch_isend_irecv",):
-        original = getattr(c10d, name)
+        original = getattr(c10d, name, None)
+        if original is None:
+            continue
         if name == "batch_isend_irecv":
             wrapped = _wrap_batch(log, original)
         elif name in _P2P:

@@ -38,16 +38,17 @@ from titan_async.model.llama import build_model_spec  # noqa: E402
 
 VARIANTS = (
     "bf16-eager",
-    "bf16-eager-sac",
     "float8-eager",
-    "float8-compiled-nodonate",
-    "bf16-compiled-nodonate",
-    "float8-compiled-nodonate-sac",
+    "bf16-eager-sac",
+    "bf16-eager-donate",
+    "float8-compiled",
     "bf16-compiled",
+    "float8-compiled-sac",
+    "bf16-compiled-donate",
 )
-"""name = linears-compilation[-options]; options: nodonate (torch._functorch.config.donated_buffer
-off: with it on, as torch and torchtitan leave it, a compiled block's backward cannot run twice),
-sac (torchtitan's selective activation checkpointing, the 10B config's mode)."""
+"""name = linears-compilation[-options]; options: donate (torch._functorch.config.donated_buffer left
+on, as torch and torchtitan leave it: then a compiled backward, FlexAttention's on CUDA included,
+cannot run twice; every other variant turns it off), sac (torchtitan's selective activation checkpointing, the 10B config's mode)."""
 
 
 @dataclasses.dataclass
@@ -195,7 +196,7 @@ def main() -> None:
             print(f"{variant:<22}skipped: deadline", flush=True)
             continue
         began = time.monotonic()
-        torch._functorch.config.donated_buffer = "nodonate" not in variant.split("-")
+        torch._functorch.config.donated_buffer = "donate" in variant.split("-")
         try:
             row = measure(build_block(args.config, variant, args.small, device, args.seq_len), device, args.warmup, args.reps)
         except Exception as error:  # a variant torch cannot split is a result
