@@ -192,18 +192,16 @@ def test_2bw_moe_with_expert_parallel_and_muon_equals_the_delayed_reference(ep_2
 
 def test_paci_moe_with_expert_parallel_and_clipping_equals_its_emulation(ep_paci):
     """PP 2 x EP 2 PACI against its emulation on FSDP 2 (no pipeline, no EP), with every stage
-    clipping its gradient: losses within 1e-5 (measured 7e-8), the logged norm (the last
-    stage's, its experts' part reduced over the EP ranks) within 1e-5 (1e-7), biases equal,
+    clipping its gradient: losses and the logged global gradient norms (the experts' parts
+    reduced over the EP ranks) within 1e-5 (measured 7e-8 and 1e-7), biases equal,
     dense weights and each expert's matrices within 1e-5 (1e-7 and 6e-7). The experts multiply in
     float32 (`model.expert_precision = "full"`): in torchtitan's bfloat16 an expert's weight
     gradient is rounded once over both ranks' tokens under EP and once per rank in the
     emulation, which PACI's 12 local AdamW steps grow to 1.4e-5 in the loss by step 5."""
     emulated, pipelined = ep_paci
     assert_same_run(emulated, pipelined)
-    first, second = metrics(emulated), metrics(pipelined)
-    assert sum(first[step]["grad_norm"] > 0.5 for step in first) >= 4  # the last stage clips at most steps (measured 4 of 6)
-    for step in first:
-        assert second[step]["grad_norm"] == pytest.approx(first[step]["grad_norm"], rel=1e-5), step
+    first = metrics(emulated)
+    assert sum(first[step]["grad_norm/stage1"] > 0.5 for step in first) >= 4  # the last stage clips at most steps (measured 4 of 6)
     biases = expert_biases(emulated)
     assert all(bias.abs().max() > 0 for bias in biases.values())
     assert all(torch.equal(bias, biases[key]) for key, bias in expert_biases(pipelined).items())

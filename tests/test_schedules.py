@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 
@@ -71,6 +72,43 @@ def test_paci_refuses_selective_activation_checkpointing():
     check("parallelism.pipeline_parallel_schedule=PipeDream2BW", *emulated, "activation_checkpoint.mode=selective")
 
 
+def test_split_backward_schedules_refuse_selective_activation_checkpointing():
+    """torch's split backward (input gradients, then weight gradients through the same nodes)
+    fails on a block under torchtitan's selective recomputation; the config refuses the
+    combination for each schedule that splits, in one line, and keeps full recomputation."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.w2(torch.relu(self.w1(x)))
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict({"0": Block()})
+    SelectiveAC(SelectiveAC.Config()).apply(model)
+    x = torch.randn(4, 8, requires_grad=True)
+    out = model.layers["0"](x)
+    params = list(model.parameters())
+    _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], iter(params))
+    with pytest.raises(RuntimeError, match="Trying to backward an extra time"):
+        stage_backward_weight(iter(params), groups)
+
+    def check(*assignments: str) -> None:
+        load_run_config(CONFIGS / "debug_cpu_pp2.toml", ["validation.enable=false", *assignments]).check(2)
+
+    for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+        chosen = (f"parallelism.pipeline_parallel_schedule={schedule}", "parallelism.pipeline_parallel_microbatch_size=1")
+        with pytest.raises(UserError) as refusal:
+            check(*chosen, "activation_checkpoint.mode=selective")
+        message = str(refusal.value)
+        assert "\n" not in message and f"activation_checkpoint.mode = 'selective' cannot run with {schedule}" in message
+        check(*chosen, "activation_checkpoint.mode=full")
+
+
 @pytest.mark.parametrize(
     "assignment, message",
     [
@@ -121,12 +159,14 @@ def final_weights(run_dir) -> dict[str, torch.Tensor]:
 
 
 def assert_same_run(a, b, rel=1e-5):
+    """The same losses, validation losses and global gradient norms at every logged step."""
     for kind in ("train", "validation"):
         first, second = metrics(a, kind), metrics(b, kind)
-        key = "loss_metrics/global_avg_loss" if kind == "train" else "validation_metrics/loss"
+        keys = ("loss_metrics/global_avg_loss", "grad_norm") if kind == "train" else ("validation_metrics/loss",)
         assert sorted(first) == sorted(second)
         for step in first:
-            assert second[step][key] == pytest.approx(first[step][key], rel=rel), (kind, step)
+            for key in keys:
+                assert second[step][key] == pytest.approx(first[step][key], rel=rel), (kind, step, key)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +179,8 @@ def test_2bw_equals_delayed_gradient_reference(tmp_path, capsys, delayed_referen
     run = train(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PipeDream2BW",
                 f"parallelism.pipeline_parallel_degree={stages}", "parallelism.pipeline_parallel_microbatch_size=1",
                 nproc=str(stages), config="debug_cpu_pp2.toml")
-    assert_same_run(delayed_reference, run)
+    assert_same_run(delayed_reference, run)  # global grad norms included
+    assert f"sqrt({stages}) x 1 = {math.sqrt(stages):.4g}" in (run / "logs" / "rank0.log").read_text()  # the clipping notice
     reference, pipelined = final_weights(delayed_reference), final_weights(run)
     assert_close_weights(pipelined, reference)
     nccl_model.assert_nccl_safe(run / "comm", stages)  # windows, drains, validation and checkpoints

@@ -68,6 +68,10 @@ class OneStepDelay:
         """Learning-rate steps owed so far: one per batch applied (counting the one being applied)."""
         return self.updates
 
+    def update_of_batch(self, batch: int) -> int:
+        """The number (1-based, as `updates` counts) of the update that applies batch `batch`."""
+        return batch + 1
+
     def gathered_copy_bytes(self) -> int:
         """Bytes of gathered (unsharded) weights kept beyond FSDP's own."""
         return 0
@@ -333,6 +337,12 @@ class LocalAccumulation:
     def lr_steps_due(self) -> int:
         """Learning-rate steps owed so far: one per `microbatches` local backwards."""
         return self.count // self.microbatches
+
+    def update_of_batch(self, batch: int) -> int:
+        """The number (1-based, as `updates` counts; 0: none yet) of the last update whose
+        microbatches all belong to batches up to `batch`: update u covers microbatches
+        [(u - 1) a, u a) on every stage."""
+        return (batch + 1) * self.microbatches // self.accumulation
 
     def extra_bytes(self) -> int:
         """No weight copies: PACI keeps only the live parameters."""

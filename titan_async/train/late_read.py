@@ -35,8 +35,8 @@ class LateRead:
         return self.host.tolist()
 
 
-class LateMax:
-    """The maximum of `value` over `group`'s ranks, started now and read later (at the next step
+class LateAllReduce:
+    """`value` reduced by `op` over `group`'s ranks, started now and read later (at a later step
     boundary), without ever holding up a compute stream.
 
     The all-reduce is issued, waited on and copied to the host on a side stream (CUDA), which
@@ -47,15 +47,15 @@ class LateMax:
 
     _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def __init__(self, value: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, value: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None = None) -> None:
         self.value, self.side = value, self._side_stream(value.device)
         with self._on_side():
             if self.side is not None:
                 self.side.wait_stream(torch.cuda.current_stream(value.device))  # `value` was written on the compute stream
-            self.work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group, async_op=True)
+            self.work = dist.all_reduce(value, op=op, group=group, async_op=True)
 
     def read(self) -> list:
-        """The maximum as a (nested) Python list."""
+        """The reduced value as a (nested) Python list."""
         with self._on_side():
             self.work.wait()
             copy = LateRead(self.value)

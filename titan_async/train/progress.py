@@ -192,6 +192,26 @@ class RunMetrics(MetricsProcessor):
             training_s, self.step_started = training_s + now - self.step_started, now
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics={**(extra_metrics or {}), TRAINING_SECONDS: training_s})
 
+    def hold(self, step: int, global_avg_loss: float, global_max_loss: float, extra_metrics: dict) -> dict[str, Any]:
+        """`log`'s row of `step`, measured now (throughput, times and memory since the last log)
+        but not written: `write_held` writes it once its gradient norm is known. torchtitan's
+        console line is left out; the display shows the row when it is written."""
+        held: list[dict[str, Any]] = []
+        logger_, self.logger = self.logger, _Holder(held)
+        muted = lambda record: False  # noqa: E731
+        logger.addFilter(muted)
+        try:
+            self.log(step, global_avg_loss, global_max_loss, float("nan"), extra_metrics)
+        finally:
+            self.logger = logger_
+            logger.removeFilter(muted)
+        return held[0]
+
+    def write_held(self, step: int, row: dict[str, Any], grad_norm: float, extra_metrics: dict) -> None:
+        """Write a row from `hold` with its gradient norm."""
+        self.logger.log({**row, "grad_norm": grad_norm, **extra_metrics}, step)
+        logger.info(f"step: {step:2}  loss: {row[LOSS]:8.5f}  grad_norm: {grad_norm:7.4f}")
+
     def start_display(self, total_steps: int) -> None:
         """Start showing progress (on the reporting rank only)."""
         if self.tee is not None:
@@ -201,6 +221,16 @@ class RunMetrics(MetricsProcessor):
         if self.tee is not None and self.tee.display is not None:
             self.tee.display.close(last_step, tokens)
             self.tee.display = None
+
+
+class _Holder(BaseLogger):
+    """A logger that keeps the rows it is given."""
+
+    def __init__(self, rows: list) -> None:
+        self.rows = rows
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.rows.append(metrics)
 
 
 class RunValidator(Validator):

@@ -3,6 +3,8 @@ in this process (the single-process emulation)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -20,8 +22,9 @@ from titan_async.pipeline.stream import StreamEngine
 from titan_async.pipeline.trace import Timeline
 from titan_async.pipeline.transport import LocalTransport
 from titan_async.pipeline.versions import LocalAccumulation, OneStepDelay, make_policy
-from titan_async.train.health import skips_on_device
 from titan_async.train.checkpoint_state import policy_names
+from titan_async.train.grad_norms import StageGradNorms
+from titan_async.train.health import skips_on_device
 
 
 class StreamingSteps:
@@ -30,18 +33,27 @@ class StreamingSteps:
     Each stage steps on its own when its policy completes an update: it moves its MoE biases,
     clips its own gradient to `training.max_norm` (there is no global synchronisation point)
     and steps its optimizers, the health check deciding on the device where it can.
-    `policies` and `balances` hold each local stage's weight policy and load balance."""
+    `policies` and `balances` hold each local stage's weight policy and load balance.
+
+    A logging step's metrics row waits for the global gradient norm of the update that applied
+    its batch (`StageGradNorms`): summed a step after every stage made that update and read a
+    step later, so the row of step t is logged at step t + 2, or at the next drain."""
 
     def __init__(self, trainer, emulated: bool) -> None:
         self.trainer = trainer
         self.per_rank_records = True
-        self.stage_grad_norms: dict[int, torch.Tensor] = {}
+        self.rows: list[_Row] = []
         self.stage_group = self._stage_group(emulated)
         self.balances: dict[int, StageLoadBalance] = {}
         self.timeline = None
         self.policies = self._emulate_stages() if emulated else self._attach_to_schedule()
         self._balance_expert_load()
+        self.grad_norms = self._grad_norms(emulated)
         config = trainer.config
+        notice = clipping_notice(config.training.max_norm, self.grad_norms.stages)
+        logger.info(notice)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(notice, flush=True)
         paci = any(isinstance(policy, LocalAccumulation) for policy, _ in self.policies.values())
         if paci and isinstance(config.activation_checkpoint, FullAC.Config):
             logger.warning("PACI with activation_checkpoint.mode = 'full': each block's backward recomputes its forward with "
@@ -61,6 +73,13 @@ class StreamingSteps:
             return None
         group, _ = dist.new_subgroups_by_enumeration([list(range(s * n, (s + 1) * n)) for s in range(dims.pp)])
         return group
+
+    def _grad_norms(self, emulated: bool) -> StageGradNorms:
+        """Norms over every stage: here (emulated) or over the pipeline ranks."""
+        dims = self.trainer.parallel_dims
+        if emulated:
+            return StageGradNorms(len(self.stream.executors), None, self.trainer.device)
+        return StageGradNorms(dims.pp, dims.get_mesh("pp").get_group(), self.trainer.device)
 
     def _attach_to_schedule(self) -> dict:
         """The stream of this rank's stage under the pipeline schedule."""
@@ -138,13 +157,15 @@ class StreamingSteps:
         params = [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
         on_device = all(skips_on_device(optimizer) for optimizer in optimizers)
         found_inf = trainer.health.found_nonfinite(trainer.step, stage, params, group=self.stage_group) if on_device else None
+        norm = None
         if on_device or trainer.health.allow_update(trainer.step, stage, params, group=self.stage_group):
-            self.stage_grad_norms[stage] = dist_utils.clip_grad_norm_(
+            norm = dist_utils.clip_grad_norm_(
                 params, trainer.config.training.max_norm, foreach=True, ep_enabled=trainer.parallel_dims.ep_enabled)
             for optimizer in optimizers:
                 optimizer.found_inf = found_inf
                 optimizer.step()
                 del optimizer.found_inf
+        self.grad_norms.record(stage, policy.updates, norm)
         for optimizer in optimizers:
             optimizer.zero_grad()
         for i in indices:
@@ -183,14 +204,40 @@ class StreamingSteps:
                 self.timeline.start_window()
             losses = self.stream.run_window(trainer.step - 1, fed, {"global_valid_tokens": global_valid_tokens})
             bubble = self.timeline.end_window() if self.timeline else None
+            if trainer.metrics_processor.should_log(trainer.step):
+                extra = {**lr_metrics, **({"pipeline/bubble": bubble} if bubble is not None else {})}
+                self.rows.append(self._row(losses, local_valid_tokens, global_valid_tokens, extra))
             if self._must_drain():
                 self.drain()
-        if trainer.metrics_processor.should_log(trainer.step):
-            loss, max_loss, tokens, grad_norm = self._step_metrics(losses, local_valid_tokens, global_valid_tokens)
-            extra = {"n_tokens_seen": int(tokens), **lr_metrics}
-            if bubble is not None:
-                extra["pipeline/bubble"] = bubble
-            trainer.metrics_processor.log(trainer.step, loss, max_loss, grad_norm, extra_metrics=extra)
+            else:
+                self._log_rows(drained=False)
+
+    def _row(self, losses: list[torch.Tensor], local_valid_tokens: torch.Tensor, global_valid_tokens: torch.Tensor,
+             extra: dict) -> _Row:
+        """This step's metrics, waiting for the global norm of the update that applies its batch."""
+        loss, max_loss, tokens = self._step_metrics(losses, local_valid_tokens, global_valid_tokens)
+        policy = next(iter(self.policies.values()))[0]
+        step = self.trainer.step
+        row = self.trainer.metrics_processor.hold(step, loss, max_loss, {"n_tokens_seen": int(tokens), **extra})
+        return _Row(step, policy.update_of_batch(step - 1), row)
+
+    def _log_rows(self, drained: bool) -> None:
+        """Log each waiting row whose norm was started at an earlier step; start the norms of
+        rows older than this step (every stage has made their updates by now: stage 0 lags
+        the last by less than a window). Drained, every update is made: start and log them all."""
+        step, logged = self.trainer.step, 0
+        for row in self.rows:
+            if row.started_at is not None and (row.started_at < step or drained):
+                norm, stage_norms = self.grad_norms.read(row.update)
+                stages = {f"grad_norm/stage{s}": n for s, n in enumerate(stage_norms)}
+                self.trainer.metrics_processor.write_held(row.step, row.metrics, norm, stages)
+                logged += 1
+            elif row.started_at is None and (row.step < step or drained):
+                self.grad_norms.start(row.update)
+                row.started_at = step
+        del self.rows[:logged]
+        if drained and self.rows:
+            self._log_rows(drained)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` on the training device; to a GPU through pinned memory, without a host sync."""
@@ -200,11 +247,10 @@ class StreamingSteps:
         return tensor.pin_memory().to(device, non_blocking=True)
 
     def _step_metrics(self, losses: list[torch.Tensor], local_valid_tokens: torch.Tensor,
-                      global_valid_tokens: torch.Tensor) -> tuple[float, float, float, float]:
+                      global_valid_tokens: torch.Tensor) -> tuple[float, float, float]:
         """What torchtitan logs of a step, over this stage's data ranks: the loss (the mean over
-        every token of the batch), the largest data rank's own mean loss, the tokens seen, and
-        the last local stage's gradient norm; read from the device in one transfer. Stages
-        without a loss report -1 for both losses."""
+        every token of the batch), the largest data rank's own mean loss and the tokens seen;
+        read from the device in one transfer. Stages without a loss report -1 for both losses."""
         trainer = self.trainer
         device = trainer.device
         mesh = trainer.parallel_dims.get_optional_mesh("loss") if trainer.parallel_dims.dp_enabled else None
@@ -217,10 +263,7 @@ class StreamingSteps:
         else:
             loss = max_loss = torch.full((), -1.0, dtype=torch.float64, device=device)
             tokens = dist_utils.dist_sum_tensor(tokens.reshape(1), mesh).reshape(())
-        norms = self.stage_grad_norms
-        norm = norms[max(norms)] if norms else torch.zeros((), device=device)
-        values = torch.stack([loss, max_loss, tokens, norm.double().reshape(()).to(device)]).tolist()
-        return tuple(values)
+        return tuple(torch.stack([loss, max_loss, tokens]).tolist())
 
     def _split_for_emulation(self, batches: list) -> list:
         """The emulation loads whole batches (no PP): cut each into its pipeline microbatches."""
@@ -238,6 +281,7 @@ class StreamingSteps:
         """Empty the stream; with two versions, expose the latest (W[step]) for saving and validation."""
         self.stream.drain()
         self.trainer.health.settle()
+        self._log_rows(drained=True)
         if self.timeline:
             self.timeline.restart()
         for executor in self.stream.executors:
@@ -272,6 +316,27 @@ class StreamingSteps:
         if isinstance(self.stream.executors[0].policy, OneStepDelay):
             return 1.0
         return sum(crossed) / len(crossed) if crossed else 0.0
+
+
+def clipping_notice(max_norm: float, stages: int) -> str:
+    """What clipping and loss normalisation a streaming run has, in one line."""
+    return (f"gradient clipping: each of the {stages} stages clips its own gradient to training.max_norm = {max_norm:g} "
+            f"when it steps (no global norm exists at that moment): the whole model's gradient is held under "
+            f"sqrt({stages}) x {max_norm:g} = {max_norm * stages ** 0.5:.4g}; the logged grad_norm is the global norm "
+            f"of the update before clipping. Loss: the mean over every token of the batch, each microbatch's sum "
+            f"divided by the batch's valid tokens over all data ranks (as torchtitan's)")
+
+
+@dataclass
+class _Row:
+    """A logging step's metrics, waiting for the global norm of update `update`."""
+
+    step: int
+    update: int
+    metrics: dict
+    """The row as `RunMetrics.hold` measured it."""
+    started_at: int | None = None
+    """The step at which the norm's sum was started."""
 
 
 def _dist_max_tensor(x: torch.Tensor, mesh) -> torch.Tensor:

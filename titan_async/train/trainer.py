@@ -36,7 +36,7 @@ from titan_async.train.benchmarks import EvalSection, PeriodicBenchmarks
 from titan_async.train.checkpoint_state import RNGState, keep_weight_versions
 from titan_async.train.delayed_steps import DelayedSteps
 from titan_async.train.health import HealthGuard, HealthSection
-from titan_async.train.late_read import LateMax
+from titan_async.train.late_read import LateAllReduce
 from titan_async.train.save_hooks import SaveHooks
 from titan_async.train.streaming_steps import StreamingSteps
 from titan_async.train.synchronous_steps import SynchronousSteps
@@ -56,7 +56,7 @@ class StopRequest:
     def __init__(self) -> None:
         self.reason: str | None = None
         self.signals = 0
-        self.pending: LateMax | None = None
+        self.pending: LateAllReduce | None = None
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
@@ -77,13 +77,13 @@ class StopRequest:
         """The reason to stop that any rank had at its previous call, on every rank.
 
         Each call starts one all-reduce and reads the previous call's, which every rank started
-        a step ago (`LateMax`): a step boundary is then no synchronisation point, on the host or
+        a step ago (`LateAllReduce`): a step boundary is then no synchronisation point, on the host or
         on a device, so a streaming pipeline keeps flowing across it. A stop takes effect one
         step after the request."""
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return self.reason
         code = torch.full((1,), self.REASONS.index(self.reason), device=device)
-        previous, self.pending = self.pending, LateMax(code)
+        previous, self.pending = self.pending, LateAllReduce(code, dist.ReduceOp.MAX)
         return None if previous is None else self.REASONS[int(previous.read()[0])]
 
 
