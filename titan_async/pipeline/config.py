@@ -104,6 +104,11 @@ def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism, da
     return None
 
 
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+"""torch's schedules that split each backward into input and weight gradients
+(`stage_backward_input`, then `stage_backward_weight` through the same autograd nodes)."""
+
+
 def check_activation_checkpoint(parallelism: PipelineParallelism, mode: str) -> str | None:
     """Why activation checkpointing `mode` cannot run with this schedule, naming the key; None if it can.
 
@@ -111,7 +116,12 @@ def check_activation_checkpoint(parallelism: PipelineParallelism, mode: str) -> 
     (`versions.LocalAccumulation`): "full" recomputes whole blocks, a rule of its own;
     "selective" keeps some of a block's forward-time outputs and recomputes the rest, a mix
     of both rules, which is refused."""
-    if mode != "selective" or streaming_schedule(parallelism.pipeline_parallel_schedule) is not SchedulePACI:
+    name = parallelism.pipeline_parallel_schedule
+    if mode == "selective" and name.lower() in {n.lower() for n in SPLIT_BACKWARD_SCHEDULES}:
+        return (f"activation_checkpoint.mode = 'selective' cannot run with {name}: its split backward runs a "
+                "block's backward twice (input, then weight gradients), which torch refuses under selective "
+                "recomputation (\"Trying to backward an extra time\"); set activation_checkpoint.mode = \"full\" or \"none\"")
+    if mode != "selective" or streaming_schedule(name) is not SchedulePACI:
         return None
     return (
         "activation_checkpoint.mode = 'selective' cannot run with PACI: a block's backward would mix outputs its "

@@ -80,12 +80,15 @@ def exposed(collective: float, compute: float, units: int) -> float:
 class Costs:
     """Seconds per pipeline rank (its whole share of the model; a schedule with v stages per rank
     gives each 1/v): one microbatch's forward and backward, and one optimizer step. When a
-    schedule splits the backward, I takes `input_fraction` of it and W the rest."""
+    schedule splits the backward, I and W together take `split_cost` times it, I
+    `input_fraction` of that and W the rest."""
 
     forward: tuple[float, ...]
     backward: tuple[float, ...]
     optimizer: tuple[float, ...]
     input_fraction: float = 0.5
+    split_cost: float = 1.0
+    """(I + W) / B: what splitting a backward costs (`tools/gpu/bench_split_backward.py`)."""
     message_bytes: float = 0.0
     intra_node: Link = Link()
     inter_node: Link = Link()
@@ -275,14 +278,14 @@ def placement(order: dict[int, list[_Action]]) -> dict[int, int]:
     return {a.stage_index: rank for rank, actions in order.items() for a in actions}
 
 
-def _durations(stage: int, rank_of: dict[int, int], per_rank: Counter[int], costs: Costs) -> tuple[float, float, float]:
-    """Seconds of one forward, input gradient and weight gradient of `stage`; `per_rank` counts
-    each rank's stages."""
+def _durations(stage: int, rank_of: dict[int, int], per_rank: Counter[int], costs: Costs, kind: _ComputationType) -> tuple[float, float, float]:
+    """Seconds of one forward, input gradient and weight gradient of `stage` for an action of
+    `kind` (I or W: a split backward, `Costs.split_cost`); `per_rank` counts each rank's stages."""
     if costs.stage_costs and len(costs.stage_costs) == len(rank_of):
         return costs.stage_costs[stage]
     rank = rank_of[stage]
     share = 1 / per_rank[rank]
-    backward = costs.backward[rank] * share
+    backward = costs.backward[rank] * share * (costs.split_cost if kind in (I, W) else 1.0)
     return costs.forward[rank] * share, backward * costs.input_fraction, backward * (1 - costs.input_fraction)
 
 
@@ -290,7 +293,7 @@ def _task(action: _Action, tag: Hashable, rank_of: dict[int, int], per_rank: Cou
     """The task of `action` in flush or window `tag` (keys: (tag, stage, F | dx | W, microbatch))."""
     s, kind, k = action.stage_index, action.computation_type, action.microbatch_index
     rank, stages = rank_of[s], len(rank_of)
-    forward, input_gradient, weight_gradient = _durations(s, rank_of, per_rank, costs)
+    forward, input_gradient, weight_gradient = _durations(s, rank_of, per_rank, costs, kind)
     label = f"{s}{kind.value}{k}"
     if kind == F:
         deps = ((((tag, s - 1, "F", k), costs.link(rank_of[s - 1], rank)),) if s > 0 else ())
@@ -312,7 +315,7 @@ def _collective(action: _Action, tag: Hashable, rank_of: dict[int, int], per_ran
     shares = per_rank[rank_of[s]]
     collectives = costs.collectives[rank_of[s]]
     units = max(1, round(collectives.units / shares))
-    forward, input_gradient, weight_gradient = _durations(s, rank_of, per_rank, costs)
+    forward, input_gradient, weight_gradient = _durations(s, rank_of, per_rank, costs, kind)
     if kind == F:
         seconds = exposed(collectives.gather / shares, forward, units)
     else:

@@ -10,7 +10,9 @@ rank gives each 1/v):
   (`optim.muon_cost.stage_costs`: 6 x matmul weights x tokens plus causal attention, / TP x CP;
   MoE experts count top_k / num_experts of their weights) at `mfu` x `peak_tflops`, split 1:2;
   full activation checkpointing adds a forward to the backward (selective recomputation is not
-  counted); a split backward gives I and W half each. Under expert parallelism each token
+  counted); a split backward gives I and W half each of `split_cost` x the backward
+  (SPLIT_COST: torch re-runs the autograd node where weights and inputs meet, so a compiled
+  block, one node, runs its whole backward twice). Under expert parallelism each token
   all-to-all (`estimate.all_to_all_bytes`: dispatch and combine, 2 in the forward, 2 in the
   backward, 2 more with full recomputation) adds its bytes over the link the EP group spans,
   not overlapped.
@@ -55,6 +57,10 @@ from titan_async.pipeline.schedules import SCHEDULE_NAMES, STREAMING_SCHEDULES, 
 from titan_async.pipeline.simulation import Collectives, Costs, Link, compare, costs_from_trace
 from titan_async.pipeline.trace import draw_gantts
 
+SPLIT_COST = {False: 1.03, True: 2.14}
+"""(I + W) / B of torch's split backward, eager and compiled blocks: one block of the 1B config
+(seq 512, bfloat16) on the CPU, `tools/gpu/bench_split_backward.py`
+(docs/results/gpu/run4/cpu_split_backward_1b.txt); on a GPU (torch 2.11) the split did not run."""
 HBM_BYTES_PER_S = 3.35e12
 """H100 SXM memory bandwidth, for the optimizer's element-wise passes."""
 ELEMENTWISE_PASSES = 7
@@ -129,6 +135,7 @@ def rank_costs(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes: l
     gpus = layout.gpus_per_pp_rank(cluster.world_size)
     return Costs(
         tuple(forward), tuple(backward), tuple(optimizer),
+        split_cost=SPLIT_COST[run.compile.enable and "model" in run.compile.components],
         message_bytes=setup.tokens * setup.dim * setup.compute_bytes,
         intra_node=intra, inter_node=inter,
         node_of_rank=tuple(rank * gpus // cluster.gpus_per_node for rank in range(layout.pp)),
@@ -253,8 +260,9 @@ def flop_assumptions(options: SimulationOptions, costs: Costs, collectives: dict
             f"{costs.message_bytes / 1e6:.1f} MB (one microbatch's stage-boundary tensor)")
     return [
         f"compute at MFU {options.mfu:g} of {options.peak_tflops:g} TFLOP/s per GPU: 6 x matmul weights x tokens + "
-        "causal attention, forward:backward 1:2 (a split backward: I and W half each), full recomputation adds a forward, "
-        "selective is not counted; TP collectives are inside the MFU",
+        f"causal attention, forward:backward 1:2 (a split backward: I and W half each of {costs.split_cost:g} x the "
+        f"backward, as torch's split measured on {'compiled' if costs.split_cost > 1.5 else 'eager'} blocks), "
+        "full recomputation adds a forward, selective is not counted; TP collectives are inside the MFU",
         f"per microbatch and pipeline rank, forward {_ms(costs.forward)} ms, backward {_ms(costs.backward)} ms; "
         f"optimizer step {_ms(costs.optimizer)} ms (Newton-Schulz FLOPs of the busiest Muon owner at the same MFU + "
         f"element-wise passes at {HBM_BYTES_PER_S / 1e12:g} TB/s)",
