@@ -56,7 +56,7 @@ class ErrorFeedbackSection:
 
 
 ON_RESUME: dict[str, str | None] = {
-    "optimizer.name": "the checkpoints hold the state of one optimizer (AdamW's moments, or Muon's momentum and AdamW's)",
+    "optimizer.name": "the checkpoints hold that optimizer's state (AdamW's moments; with muon, Muon's momentum too)",
     "optimizer.lr": None,
     "optimizer.beta1": None,
     "optimizer.beta2": None,
@@ -73,9 +73,9 @@ ON_RESUME: dict[str, str | None] = {
     "optimizer.error_feedback.coefficient": None,
 }
 """Every [optimizer] key and what `resume --set` does with a new value: None, it applies from the
-first resumed step (the param groups get their configured values back after the checkpoint
-load, `checkpoint_state.configured_over_loaded`; the error-feedback coefficient is no checkpointed
-state); otherwise why resume refuses it (before launch, exit status 2)."""
+first resumed step (the param groups get their configured values back after the checkpoint load,
+`train.checkpoint_state.configured_over_loaded`; the error-feedback coefficient is not
+checkpointed); otherwise why resume refuses it (before launch, one line, exit status 2)."""
 
 
 @dataclass(kw_only=True, slots=True)
