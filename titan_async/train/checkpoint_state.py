@@ -91,9 +91,10 @@ def configured_over_loaded(trainer: Trainer) -> None:
     (betas, eps, weight decay, kernel flags, Muon's settings, `initial_lr`: every key but the
     parameters; see `titan_async.optim.section.ON_RESUME`), and `lr` is the rebuilt schedule's at
     the loaded step, so the first resumed step uses it. State tensors stay as loaded."""
-    load, schedulers = trainer.checkpointer.load, trainer.lr_schedulers.schedulers
+    load = trainer.checkpointer.load
 
     def load_keeping_config(step: int = -1) -> bool:
+        schedulers = trainer.lr_schedulers.schedulers  # one per optimizer, each over its param groups
         built = [[{k: v for k, v in group.items() if k not in ("params", "param_names")}
                   for group in scheduler.optimizer.param_groups] for scheduler in schedulers]
         loaded = load(step)
