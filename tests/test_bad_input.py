@@ -234,8 +234,9 @@ def _resumable_fake_run(folder: Path, *assignments: str) -> Path:
 def test_resume_names_the_switched_optimizer_not_what_it_leaves_behind(capsys, tmp_path):
     run = _resumable_fake_run(tmp_path / "run", "optimizer.name=muon", "optimizer.muon.adamw_lr=1e-3")
     err = fail(capsys, "resume", "--run-dir", str(run), *sets("optimizer.name=adamw"))
-    assert err == ("titan-async: --set 'optimizer.name=adamw': the checkpoints hold state for optimizer.name = 'muon', "
-                   "resume cannot switch it; start a new run (train --run-dir NEW), or keep the setting")
+    assert err == ("titan-async: --set 'optimizer.name=adamw': resume cannot switch optimizer.name from 'muon': the checkpoints "
+                   "hold that optimizer's state (AdamW's moments; with muon, Muon's momentum too); start a new run "
+                   "(train --run-dir NEW), or keep the setting")
 
 
 def test_resume_says_what_a_schedule_switch_leaves(capsys, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from operator import attrgetter
 from pathlib import Path
 
 from torchtitan.components.loss import CrossEntropyLoss
@@ -16,12 +17,19 @@ from titan_async.core.errors import UserError
 from titan_async.data.sources import prepare
 from titan_async.model.hf_weights import check_hf_weights
 from titan_async.model.llama import build_model_spec
+from titan_async.optim.section import ON_RESUME
 from titan_async.parallel.expert import with_expert_parallel_backend
 from titan_async.pipeline.schedules import register as register_schedules, streaming_schedule
 from titan_async.pipeline.split import split_stages
 from titan_async.train.trainer import AsyncTrainer
 
 ACTIVATION_CHECKPOINTS = {"none": None, "selective": SelectiveAC.Config, "full": FullAC.Config}
+
+RESUME_REFUSES = {
+    **{key: reason for key, reason in ON_RESUME.items() if reason},
+    "training.gradient_delay": "the checkpoints hold a second weight version, or none",
+}
+"""The keys whose change resume refuses, and why: those that decide which states a checkpoint holds."""
 
 
 def tokenizer_vocab_size(tokenizer_dir: Path) -> int:
@@ -41,8 +49,7 @@ def checkpoint_contents(run: RunConfig) -> dict[str, object]:
     elif streaming_schedule(p.pipeline_parallel_schedule):
         versions = f"{p.pipeline_parallel_schedule} on {p.emulated_stages or p.pipeline_parallel_degree} stages"
     return {
-        "optimizer.name": run.optimizer.name,
-        "optimizer.error_feedback.enabled": run.optimizer.error_feedback.enabled,
+        **{key: attrgetter(key)(run) for key, reason in ON_RESUME.items() if reason},
         "parallelism.pipeline_parallel_schedule/pipeline_parallel_degree/emulated_stages, training.gradient_delay": versions,
     }
 
@@ -59,17 +66,14 @@ def check_resumable(saved: RunConfig, run: RunConfig) -> None:
 
 
 def refuse_switches(saved: RunConfig, assignments: list[str]) -> None:
-    """UserError naming the first `--set` of resume that changes the optimizer, error feedback or
-    the gradient delay, before the rest of the config is checked (which may otherwise object to
-    what the switch leaves behind, e.g. an [optimizer.muon] table under AdamW)."""
-    current = {"optimizer.name": saved.optimizer.name, "optimizer.error_feedback.enabled": saved.optimizer.error_feedback.enabled,
-               "training.gradient_delay": saved.training.gradient_delay}
+    """UserError naming the first `--set` of resume that changes a key of `RESUME_REFUSES`, and
+    why, before the rest of the config is checked (which may otherwise object to what the switch
+    leaves behind, e.g. an [optimizer.muon] table under AdamW)."""
     for assignment in assignments:
-        key, _, _ = assignment.partition("=")
-        key = key.strip()
-        if key in current and set_value(assignment) != current[key]:
-            raise UserError(f"--set {assignment!r}: the checkpoints hold state for {key} = {current[key]!r}, "
-                            f"resume cannot switch it; {_SWITCH_ADVICE}")
+        key = assignment.partition("=")[0].strip()
+        if key in RESUME_REFUSES and set_value(assignment) != (current := attrgetter(key)(saved)):
+            raise UserError(f"--set {assignment!r}: resume cannot switch {key} from {current!r}: "
+                            f"{RESUME_REFUSES[key]}; {_SWITCH_ADVICE}")
 
 
 def plain_parameters(run: RunConfig, world_size: int) -> bool:

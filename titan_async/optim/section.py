@@ -55,6 +55,29 @@ class ErrorFeedbackSection:
             raise ValueError(f"optimizer.error_feedback.coefficient must be in [0, 2], got {self.coefficient}")
 
 
+ON_RESUME: dict[str, str | None] = {
+    "optimizer.name": "the checkpoints hold that optimizer's state (AdamW's moments; with muon, Muon's momentum too)",
+    "optimizer.lr": None,
+    "optimizer.beta1": None,
+    "optimizer.beta2": None,
+    "optimizer.eps": None,
+    "optimizer.weight_decay": None,
+    "optimizer.implementation": None,
+    "optimizer.muon.momentum": None,
+    "optimizer.muon.nesterov": None,
+    "optimizer.muon.ns_steps": None,
+    "optimizer.muon.ns_dtype": None,
+    "optimizer.muon.lr_scaling": None,
+    "optimizer.muon.adamw_lr": None,
+    "optimizer.error_feedback.enabled": "the checkpoints hold error feedback's previous updates, or none",
+    "optimizer.error_feedback.coefficient": None,
+}
+"""Every [optimizer] key and what `resume --set` does with a new value: None, it applies from the
+first resumed step (the param groups get their configured values back after the checkpoint load,
+`train.checkpoint_state.configured_over_loaded`; the error-feedback coefficient is not
+checkpointed); otherwise why resume refuses it (before launch, one line, exit status 2)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class OptimizerSection:
     """Optimizer and its hyperparameters."""

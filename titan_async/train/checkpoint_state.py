@@ -1,5 +1,6 @@
 """What checkpoints keep besides torchtitan's model, optimizer and schedulers: each rank's RNG
-states, the weight policies' state, and the model state without torchtitan's parameter cache."""
+states, the weight policies' state, and the model state without torchtitan's parameter cache;
+and what they do not decide: the optimizer's hyperparameters."""
 
 from __future__ import annotations
 
@@ -82,3 +83,24 @@ def keep_weight_versions(trainer: Trainer, steps) -> None:
     trainer.checkpointer.states["weight_versions"] = WeightVersionState(steps.policies, steps.balances, trainer)
     if any(isinstance(policy, TwoVersions) for policy, _ in steps.policies.values()):
         trainer.checkpointer.states[MODEL] = LiveModelState(trainer.model_parts)
+
+
+def configured_over_loaded(trainer: Trainer) -> None:
+    """Make the run's config, not the checkpoint, decide the optimizer's hyperparameters: after
+    every `trainer.checkpointer.load`, each param group gets back the values it was built with
+    (betas, eps, weight decay, kernel flags, Muon's settings, `initial_lr`: every key but the
+    parameters; see `titan_async.optim.section.ON_RESUME`), and `lr` is the rebuilt schedule's at
+    the loaded step, so the first resumed step uses it. State tensors stay as loaded."""
+    load = trainer.checkpointer.load
+
+    def load_keeping_config(step: int = -1) -> bool:
+        schedulers = trainer.lr_schedulers.schedulers  # one per optimizer, each over its param groups
+        built = [[{k: v for k, v in group.items() if k not in ("params", "param_names")}
+                  for group in scheduler.optimizer.param_groups] for scheduler in schedulers]
+        loaded = load(step)
+        for scheduler, settings in zip(schedulers, built):
+            for group, configured, lr in zip(scheduler.optimizer.param_groups, settings, scheduler.get_last_lr()):
+                group.update(configured, lr=lr)
+        return loaded
+
+    trainer.checkpointer.load = load_keeping_config

@@ -33,7 +33,7 @@ from titan_async.optim import write_param_group_table
 from titan_async.parallel.fsdp_traffic import count_fsdp_traffic
 from titan_async.pipeline.schedules import StreamingSchedule
 from titan_async.train.benchmarks import EvalSection, PeriodicBenchmarks
-from titan_async.train.checkpoint_state import RNGState, keep_weight_versions
+from titan_async.train.checkpoint_state import RNGState, configured_over_loaded, keep_weight_versions
 from titan_async.train.delayed_steps import DelayedSteps
 from titan_async.train.health import HealthGuard, HealthSection
 from titan_async.train.late_read import LateAllReduce
@@ -110,6 +110,7 @@ class AsyncTrainer(Trainer):
         self.save_hooks = SaveHooks(self.checkpointer)
         self.steps = self._step_runner()
         keep_weight_versions(self, self.steps)
+        configured_over_loaded(self)
         self.benchmarks = self._benchmark_after_saves(config)
         self.rank_wandb = None
 

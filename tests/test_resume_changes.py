@@ -1,0 +1,165 @@
+"""`resume --set optimizer.*`: every key either applies from the first resumed step or is refused
+in one line before launch; never a silent revert to the checkpoint's value."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from operator import attrgetter
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import CONFIGS, REPO, TINY, checkpoint_weights, fresh_environment, losses, metrics, sets
+
+from titan_async.config.run_config import load_run_config
+from titan_async.optim.section import ON_RESUME, OptimizerSection
+
+MUON = ("optimizer.name=muon", "optimizer.error_feedback.enabled=true")
+# Warm-up over 4 of 5 steps: the lr of step 3 (0-based 2, the first resumed step) is (2 + 1) / 4 of the peak.
+BASE = (*TINY, "lr_scheduler.warmup_steps=4", "lr_scheduler.total_steps=5", "training.steps=2",
+        "validation.enable=false", "metrics.enable_tensorboard=false")
+FIRST_RESUMED_LR_FACTOR = 3 / 4
+HIDDEN = "layers.0.attention.wo.weight"
+EMBEDDING = "tok_embeddings.weight"
+
+# key -> (base run, new value, how the new value reads back from the checkpoint's param groups:
+# (parameter, group key, index or None), or None where it is not checkpointed).
+CHANGES = {
+    "optimizer.lr": ("adamw", 0.01, (EMBEDDING, "initial_lr", None)),
+    "optimizer.beta1": ("adamw", 0.5, (EMBEDDING, "betas", 0)),
+    "optimizer.beta2": ("adamw", 0.5, (EMBEDDING, "betas", 1)),
+    "optimizer.eps": ("adamw", 1e-3, (EMBEDDING, "eps", None)),
+    "optimizer.weight_decay": ("adamw", 5.0, (EMBEDDING, "weight_decay", None)),
+    "optimizer.implementation": ("adamw", "for-loop", (EMBEDDING, "fused", None)),
+    "optimizer.muon.momentum": ("muon", 0.5, (HIDDEN, "momentum", None)),
+    "optimizer.muon.nesterov": ("muon", False, (HIDDEN, "nesterov", None)),
+    "optimizer.muon.ns_steps": ("muon", 1, (HIDDEN, "ns_steps", None)),
+    "optimizer.muon.ns_dtype": ("muon", "bfloat16", (HIDDEN, "ns_dtype", None)),
+    "optimizer.muon.lr_scaling": ("muon", "original", (HIDDEN, "lr_scaling", None)),
+    "optimizer.muon.adamw_lr": ("muon", 0.01, (EMBEDDING, "initial_lr", None)),
+    "optimizer.error_feedback.coefficient": ("muon", 0.0, None),
+    "optimizer.name": ("adamw", "muon", None),
+    "optimizer.error_feedback.enabled": ("muon", False, None),
+}
+APPLIED = [key for key in CHANGES if ON_RESUME.get(key) is None]
+REFUSED = [key for key in CHANGES if ON_RESUME.get(key)]
+READ_BACK = {"optimizer.implementation": False}
+"""Expected read-back where it is not the new value itself: for-loop is fused = False."""
+SAME_ARITHMETIC = {"optimizer.implementation"}
+"""Keys whose new value computes the same update (the AdamW kernels): their read-back shows them in effect."""
+
+DRIVER = """
+import json, shutil, sys, time, types
+from titan_async import cli
+from titan_async.core import platform
+platform.configure()
+import torchtitan.trainer
+torchtitan.trainer.time = types.SimpleNamespace(**{**vars(time), "sleep": lambda seconds: None})  # its 2 s wait for other ranks
+statuses = []
+for copy_from, argv in json.loads(sys.argv[1]):
+    if copy_from:
+        shutil.copytree(copy_from, argv[2])
+    try:
+        cli.main(argv)
+    except SystemExit as exit:
+        statuses.append(exit.code)
+print(json.dumps(statuses))
+"""
+
+
+def _cli_in_one_process(commands: list[tuple[str | None, list[str]]]) -> None:
+    """Run titan-async commands one after the other in one fresh interpreter (each start of torch
+    costs seconds, and torchtitan's trainer waits 2 s at the end for other ranks: there are none);
+    a command with a directory first copies it to its --run-dir. Fails on any non-zero exit."""
+    result = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(commands)], capture_output=True, text=True,
+                            timeout=600, cwd=REPO, env=fresh_environment())
+    statuses = json.loads(result.stdout.splitlines()[-1]) if result.returncode == 0 else None
+    assert statuses == [0] * len(commands), result.stderr[-5000:]
+
+
+def _option_keys(section, prefix: str = "optimizer") -> list[str]:
+    keys = []
+    for field in dataclasses.fields(section):
+        value = getattr(section, field.name)
+        keys += _option_keys(value, f"{prefix}.{field.name}") if dataclasses.is_dataclass(value) else [f"{prefix}.{field.name}"]
+    return keys
+
+
+def _group_value(run_dir, step: int, parameter: str, key: str):
+    name = f"optimizer.param_groups.{parameter}.{key}"
+    state = {name: None}
+    dcp.load(state, checkpoint_id=str(run_dir / "checkpoint" / f"step-{step}"))
+    return state[name]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Run directories: "adamw" and "muon" (2 steps each, not resumed), "adamw-resumed" and
+    "muon-resumed" (resumed to step 4 with no change), and each applied key's resume to step 4 with
+    its new value. The lr and the unchanged AdamW resumes also save step 3."""
+    root = tmp_path_factory.mktemp("resume_changes")
+    config = ("--config", str(CONFIGS / "debug_cpu.toml"))
+    commands = [(None, ["train", "--run-dir", str(root / "adamw"), *config, *sets(*BASE)]),
+                (None, ["train", "--run-dir", str(root / "muon"), *config, *sets(*BASE, *MUON)])]
+    for name, base, assignments in [("adamw-resumed", "adamw", []), ("muon-resumed", "muon", []),
+                                    *[(key, CHANGES[key][0], [f"{key}={json.dumps(CHANGES[key][1])}"]) for key in APPLIED]]:
+        if name in ("adamw-resumed", "optimizer.lr"):
+            assignments.append("checkpoint.interval=1")
+        commands.append((str(root / base), ["resume", "--run-dir", str(root / name), *sets("training.steps=4", *assignments)]))
+    _cli_in_one_process(commands)
+    return root
+
+
+def test_every_optimizer_key_is_applied_or_refused():
+    assert sorted(ON_RESUME) == sorted(CHANGES) == sorted(_option_keys(OptimizerSection()))
+    assert REFUSED == ["optimizer.name", "optimizer.error_feedback.enabled"]
+
+
+@pytest.mark.parametrize("key", APPLIED)
+def test_a_new_value_applies_from_the_first_resumed_step(runs, key):
+    base, value, read_back = CHANGES[key]
+    unchanged, changed = runs / f"{base}-resumed", runs / key
+    assert sorted(losses(changed)) == [1, 2, 3, 4]
+    # Step 3's loss is of the checkpoint's weights; step 4's of the first resumed update.
+    assert losses(changed)[3] == losses(unchanged)[3]
+    if key not in SAME_ARITHMETIC:
+        assert losses(changed)[4] != losses(unchanged)[4]
+    if read_back is not None:
+        parameter, group_key, index = read_back
+        saved = _group_value(changed, 4, parameter, group_key)
+        assert (saved if index is None else saved[index]) == READ_BACK.get(key, value)
+    assert attrgetter(key)(load_run_config(changed / "config.toml", [])) == value
+
+
+def test_a_new_lr_is_the_lr_of_the_first_resumed_step(runs):
+    old, new = 3e-3, CHANGES["optimizer.lr"][1]  # debug_cpu.toml's lr, and the resume's
+    unchanged, changed = runs / "adamw-resumed", runs / "optimizer.lr"
+    assert metrics(unchanged)[3]["lr/AdamW"] == pytest.approx(old * FIRST_RESUMED_LR_FACTOR, rel=1e-12)
+    assert metrics(changed)[3]["lr/AdamW"] == pytest.approx(new * FIRST_RESUMED_LR_FACTOR, rel=1e-12)
+    # AdamW's update from the same state is proportional to the lr it used: the lr resume's first
+    # update is new / old times the unchanged resume's.
+    before = checkpoint_weights(runs / "adamw" / "checkpoint" / "step-2")
+    after = {name: checkpoint_weights(run / "checkpoint" / "step-3") for name, run in [("old", unchanged), ("new", changed)]}
+    update = {name: torch.cat([(weights[k] - before[k]).flatten() for k in before]) for name, weights in after.items()}
+    expected = update["old"] * (new / old)
+    assert (update["new"] - expected).norm() / expected.norm() < 1e-4
+
+
+@pytest.mark.parametrize("key", REFUSED)
+def test_resume_refuses_a_key_that_decides_the_checkpointed_state(runs, capsys, key):
+    from titan_async import cli
+
+    base, value, _ = CHANGES[key]
+    run_dir = runs / base
+    config = (run_dir / "config.toml").read_text()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["resume", "--run-dir", str(run_dir), *sets("training.steps=4", f"{key}={json.dumps(value)}")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"resume cannot switch {key} from " in err and ON_RESUME[key] in err
+    assert (run_dir / "config.toml").read_text() == config
+    assert sorted(p.name for p in (run_dir / "checkpoint").iterdir()) == ["step-2"]
