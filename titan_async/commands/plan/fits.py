@@ -116,7 +116,8 @@ def _gpu_free(local_rank: int) -> int | None:
 
 
 def _gib(value: float) -> str:
-    return f"{value / GIB:.1f}"
+    """Bytes as GiB to 3 significant digits (215, 20.8, 0.392)."""
+    return f"{value / GIB:.3g}"
 
 
 def _with(run: RunConfig, key: str, value: Any) -> RunConfig:
