@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--verbose", action="store_true", help="show torchtitan's log on the console")
         p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                        help="restart the workers up to N times after one fails, from the latest intact checkpoint (default: 0)")
+        p.add_argument("--skip-memory-check", action="store_true",
+                       help="start even where plan's per-rank memory estimate exceeds the memory each rank has")
 
     train = commands.add_parser("train", help="start a training run")
     config_args(train)
@@ -149,9 +151,11 @@ def _train(args) -> int:
     directory = args.run_dir or runs.new_run_dir(path.stem, process.job_id())
     if process.restart_count():  # torchrun restarted this worker: the run continues from its checkpoint
         return _launch(directory, nproc, args.verbose, run, args.max_restarts)
+    from titan_async.commands.plan.fits import check_launch
     from titan_async.config.assemble import trainer_config  # after the config checks: it imports the data and trainer stack
 
     trainer_config(run, directory, process.world_size(nproc))  # every check of the new run, before the directory is touched
+    check_launch(run, nproc, args.skip_memory_check)  # plan's memory estimate against what each rank has
     with _coordinator_lock(directory):
         if process.is_coordinator():
             overwritten = claim(directory, args.overwrite)
@@ -163,6 +167,7 @@ def _train(args) -> int:
 
 
 def _resume(args) -> int:
+    from titan_async.commands.plan.fits import check_launch
     from titan_async.config.assemble import check_resumable, refuse_switches, trainer_config
     from titan_async.config.run_config import load_run_config, render_toml
     from titan_async.run import process
@@ -184,6 +189,7 @@ def _resume(args) -> int:
         check_resumable(saved, run)
         run.check(process.world_size(nproc))
         trainer_config(run, args.run_dir, process.world_size(nproc))
+        check_launch(run, nproc, args.skip_memory_check)
         if process.is_coordinator():
             runs.save_launch(args.run_dir, render_toml(run), nproc)
             runs.clear_stop(args.run_dir)

@@ -10,6 +10,11 @@ import sys
 from pathlib import Path
 
 
+MEMORY_CHECKED_ENV = "TITAN_ASYNC_MEMORY_CHECKED"
+"""Set once a launcher has checked its workers' memory (`titan_async.commands.plan.fits`), or
+was told not to: the workers it starts, which inherit it, do not check again."""
+
+
 def launched_externally() -> bool:
     """True when torchrun (or a Slurm/cluster launcher using its variables) started this process."""
     return "TORCHELASTIC_RUN_ID" in os.environ or {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= os.environ.keys()

@@ -19,7 +19,7 @@ from titan_async.core import comm_log, platform
 from titan_async.core.platform import DropMessages
 from titan_async.rundir import checkpoints, directory as runs
 from titan_async.rundir.after_save import AfterSaves
-from titan_async.run.process import exit_with_parent, name_worker, restart_count
+from titan_async.run.process import MEMORY_CHECKED_ENV, exit_with_parent, name_worker, restart_count
 
 
 def quiet_library_noise() -> None:
@@ -97,10 +97,13 @@ def train(run_dir: Path, verbose: bool = False, run=None) -> int:
     datasets.disable_progress_bars()
     import torch.distributed as dist
 
+    from titan_async.commands.plan.fits import check_launch
     from titan_async.config.assemble import trainer_config
     from titan_async.config.run_config import load_run_config
 
     run = _resume_point(run_dir, run or load_run_config(run_dir / runs.CONFIG_FILE))
+    if not os.environ.get(MEMORY_CHECKED_ENV):  # started by torchrun without titan-async's launcher: check here
+        check_launch(run, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     trainer = trainer_config(run, run_dir, int(os.environ.get("WORLD_SIZE", "1"))).build()
     after_saves = AfterSaves(trainer.checkpointer, run_dir) if dist.get_rank() == 0 else None
     if after_saves is not None:
@@ -121,6 +124,9 @@ def train(run_dir: Path, verbose: bool = False, run=None) -> int:
 
 
 def main() -> None:
+    """`python -m titan_async.run.worker RUN_DIR [--verbose] [--skip-memory-check]` (under torchrun)."""
+    if "--skip-memory-check" in sys.argv[2:]:
+        os.environ[MEMORY_CHECKED_ENV] = "1"
     run_worker(sys.argv[1], "--verbose" in sys.argv[2:])
 
 

@@ -12,20 +12,14 @@ from titan_async.commands.plan.estimate import (
     Cluster,
     check_world_size,
     communication,
-    estimate_ranks,
-    make_layout,
-    make_setup,
+    estimate,
     mixture_of_experts,
-    resolve_vocab_size,
-    stage_shapes,
 )
 from titan_async.commands.plan.memory import compare_schedules, gib
 from titan_async.commands.plan.render import print_plan
 from titan_async.commands.plan.simulate import SimulationOptions, simulate_plan
-from titan_async.config.assemble import plain_parameters
 from titan_async.config.run_config import RunConfig
 from titan_async.core.errors import UserError
-from titan_async.model.meta import build_meta_model
 from titan_async.pipeline.schedules import SCHEDULE_NAMES, register as register_schedules
 
 
@@ -50,12 +44,9 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True, simulation: Si
         warnings.append(f"titan-async train would stop with: {err}")
     refused = bool(warnings)
     parallelism = run.parallelism
-    vocab = resolve_vocab_size(run)
-    model = build_meta_model(run, vocab, fsdp=not plain_parameters(run, cluster.world_size))
-    layout = make_layout(run, cluster, model.spec.model)
-    setup = make_setup(run, layout, vocab, gpu)
-    shapes = stage_shapes(model.module, layout.stage_modules, parallelism.tensor_parallel_degree)
-    rows = estimate_ranks(layout, shapes, setup, cluster)
+    planned = estimate(run, cluster, gpu)
+    vocab, model, layout, setup, shapes, rows = (planned.vocab, planned.model, planned.layout, planned.setup,
+                                                 planned.shapes, planned.rows)
     moe = mixture_of_experts(layout, shapes, setup)
     for row in rows:
         if not row["fits"]:
@@ -110,7 +101,7 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True, simulation: Si
             "error_feedback": run.optimizer.error_feedback.enabled,
         },
         "ranks": rows,
-        "peak_bytes": max(row["memory"]["total"] for row in rows),
+        "peak_bytes": planned.peak_bytes,
         "fits": all(row["fits"] for row in rows),
         "schedules": schedules,
         "communication": communication(layout, shapes, setup, run.parallelism.paci.accumulation),

@@ -31,6 +31,7 @@ from titan_async.commands.plan.memory import (
 from titan_async.config.assemble import plain_parameters, tokenizer_vocab_size
 from titan_async.config.run_config import RunConfig
 from titan_async.core.errors import UserError
+from titan_async.model.meta import MetaModel, build_meta_model
 from titan_async.optim.newton_schulz import resolve_dtype
 from titan_async.optim.routing import route_parameters
 from titan_async.pipeline.load_balance import BIAS
@@ -294,6 +295,34 @@ def estimate_ranks(layout: Layout, shapes: list[StageShape], setup: Setup, clust
             "fits": memory["total"] <= cluster.gpu_memory,
         })
     return rows
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """`run`'s meta model, layout, memory parameters, stage shapes and per-pipeline-rank rows
+    (`estimate_ranks`) on a cluster: what `plan` reports and `fits` checks a launch against."""
+
+    vocab: int
+    model: MetaModel
+    layout: Layout
+    setup: Setup
+    shapes: list[StageShape]
+    rows: list[dict[str, Any]]
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(row["memory"]["total"] for row in self.rows)
+
+
+def estimate(run: RunConfig, cluster: Cluster, gpu: bool = True) -> Estimate:
+    """The estimate of `run` on `cluster` (on GPUs, or with `gpu` False on CPU processes),
+    from the config and a meta-device model only: nothing is allocated."""
+    vocab = resolve_vocab_size(run)
+    model = build_meta_model(run, vocab, fsdp=not plain_parameters(run, cluster.world_size))
+    layout = make_layout(run, cluster, model.spec.model)
+    setup = make_setup(run, layout, vocab, gpu)
+    shapes = stage_shapes(model.module, layout.stage_modules, run.parallelism.tensor_parallel_degree)
+    return Estimate(vocab, model, layout, setup, shapes, estimate_ranks(layout, shapes, setup, cluster))
 
 
 def communication(layout: Layout, shapes: list[StageShape], setup: Setup, accumulation: int | None) -> list[dict[str, Any]]:
