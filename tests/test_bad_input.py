@@ -227,7 +227,10 @@ def _resumable_fake_run(folder: Path, *assignments: str) -> Path:
 
     folder.mkdir()
     write(folder / "config.toml", render_toml(load_run_config(CONFIGS / "debug_cpu.toml", list(assignments))))
+    from titan_async.rundir import checksums
+
     dcp.save({"w": torch.ones(1)}, checkpoint_id=str(folder / "checkpoint" / "step-1"), no_dist=True)
+    checksums.record(folder / "checkpoint" / "step-1", rank=0)
     return folder
 
 

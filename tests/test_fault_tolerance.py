@@ -84,7 +84,8 @@ def restarted(tmp_path_factory):
     run_cli("train", "--run-dir", str(baseline), *PP_2BW_REPLICAS)
     run_dir, output = root / "restarted", root / "restarted.out"
     launcher = start("train", "--run-dir", str(run_dir), "--max-restarts", "1", *PP_2BW_REPLICAS, output=output)
-    wait_for(run_dir / "checkpoint" / "step-6" / ".metadata", launcher)
+    for rank in range(4):  # step-6 is complete once every rank recorded its checksums
+        wait_for(run_dir / "checkpoint" / "step-6" / f"checksums.rank{rank}.json", launcher)
     os.kill(worker_of_rank(launcher.pid, 3), signal.SIGKILL)
     assert launcher.wait(timeout=300) == 0, output.read_text()[-5000:]
     return run_dir, output.read_text(), baseline
@@ -133,11 +134,14 @@ def flip_a_byte(path: Path) -> None:
         handle.write(bytes([byte[0] ^ 0xFF]))
 
 
-def test_damage_is_found_from_metadata_sizes_and_checksums(saved, tmp_path):
+def test_damage_is_found_from_metadata_sizes_and_manifests(saved, tmp_path):
+    """Cheap checks only: a file damaged in place is found when it is loaded (test_checksums.py)."""
     intact = checkpoint(saved, 4)
     assert damage(intact) is None
     for name, harm, reason in [
-        ("in place", lambda c: flip_a_byte(c / "__0_0.distcp"), r"__0_0.distcp does not match its checksum \(damaged in place\)"),
+        ("unrecorded", lambda c: (c / "checksums.rank0.json").unlink(),
+         r"no checksum recorded for .metadata: the save's checksums did not finish"),
+        ("garbled manifest", lambda c: (c / "checksums.rank0.json").write_text("{"), r"unreadable checksums.rank0.json"),
         ("truncated", lambda c: os.truncate(c / "__0_0.distcp", 100), r"__0_0.distcp truncated \(100 of \d+ bytes\)"),
         ("missing", lambda c: (c / "__0_0.distcp").unlink(), r"__0_0.distcp missing"),
         ("garbled", lambda c: (c / ".metadata").write_bytes(b"not a pickle"), r"unreadable .metadata \(\w+\)"),
@@ -173,13 +177,13 @@ def test_eval_and_export_refuse_a_damaged_checkpoint_in_one_line(saved, capsys, 
 def test_resume_skips_damaged_checkpoints(saved):
     """Runs last among the tests of `saved`: the resume saves step-3 and step-4 again."""
     first = losses(saved)
-    flip_a_byte(checkpoint(saved, 4) / "__0_0.distcp")
+    (checkpoint(saved, 4) / "checksums.rank0.json").unlink()  # killed before its checksums were recorded
     (checkpoint(saved, 3) / ".metadata").write_bytes(b"garbled")
     result = run_cli("resume", "--run-dir", str(saved))
     warnings = [line for line in result.stderr.splitlines() if line.startswith("titan-async: warning:")]
     assert len(warnings) == 2, result.stderr
-    assert re.fullmatch(rf"titan-async: warning: skipping damaged checkpoint {re.escape(str(checkpoint(saved, 4)))} "
-                        r"\(__0_0.distcp does not match its checksum \(damaged in place\)\); resuming from step-2", warnings[0])
+    assert warnings[0] == (f"titan-async: warning: skipping damaged checkpoint {checkpoint(saved, 4)} (no checksum recorded "
+                           "for .metadata: the save's checksums did not finish); resuming from step-2")
     assert warnings[1] == (f"titan-async: warning: skipping damaged checkpoint {checkpoint(saved, 3)} "
                            "(unreadable .metadata (UnpicklingError)); resuming from step-2")
     assert "from step-2" in result.stdout
@@ -202,7 +206,7 @@ def test_run_directory_lock(tmp_path, capsys):
     while any(alive(pid) for pid in run):
         assert time.monotonic() < deadline, "killing the launcher left processes of its run behind"
         time.sleep(0.1)
-    latest = max(int(p.name.split("-")[1]) for p in (run_dir / "checkpoint").iterdir() if (p / ".metadata").is_file())
+    latest = max(int(p.name.split("-")[1]) for p in (run_dir / "checkpoint").iterdir() if damage(p) is None)
     resumed = run_cli("resume", "--run-dir", str(run_dir), *sets(f"training.steps={latest + 1}"))
     assert f"from step-{latest}" in resumed.stdout
     assert max(losses(run_dir)) == latest + 1

@@ -8,6 +8,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import TINY, cli_in_process, run_cli, sets
+from titan_async.rundir import checksums
 from titan_async.rundir.overwrite import claim, release_overwritten
 
 
@@ -26,6 +27,7 @@ def _fake_run(folder, step: int = 2):
 
 def _intact_checkpoint(folder, step: int) -> None:
     dcp.save({"w": torch.ones(3)}, checkpoint_id=str(folder / "checkpoint" / f"step-{step}"), no_dist=True)
+    checksums.record(folder / "checkpoint" / f"step-{step}", rank=0)
 
 
 def test_claim_moves_the_run_aside_and_leaves_other_files(tmp_path):
@@ -106,5 +108,5 @@ def test_overwrite_end_to_end(tmp_path):
             *sets(*TINY, "training.steps=5", "checkpoint.interval=1", "checkpoint.keep_latest_k=3"))
     assert not (run_dir / "overwritten").exists()
     assert sorted(p.name for p in (run_dir / "checkpoint").iterdir()) == ["step-3", "step-4", "step-5"]
-    assert all((run_dir / "checkpoint" / f"step-{n}" / "checksums.json").is_file() for n in (3, 4, 5))
+    assert all((run_dir / "checkpoint" / f"step-{n}" / "checksums.rank0.json").is_file() for n in (3, 4, 5))
     assert not (run_dir / "comm_traces").exists()

@@ -54,7 +54,8 @@ class ForkedAgent:
     The agent runs in a session of its own: a Ctrl-C in the terminal reaches this process only,
     which asks the workers to stop (`GracefulStop`); torch's agent would meet it with a
     traceback and a 30 s kill. The parent has run no parallel CPU kernel before the fork, so
-    the workers' thread pools start fresh. Exit status: 0, or 1 when a worker failed (torchrun's).
+    the workers' thread pools start fresh. Exit status: 0; 2 when the workers that failed all
+    exited 2 (a UserError, said in one line); 1 when a worker failed otherwise (torchrun's).
     """
 
     def __init__(self, run_dir: Path, nproc_per_node: int, verbose: bool, max_restarts: int) -> None:
@@ -102,6 +103,8 @@ def _agent(run_dir: Path, nproc_per_node: int, verbose: bool, max_restarts: int)
     try:
         elastic_launch(config=config, entrypoint=worker.run_worker)(str(run_dir), verbose)
     except ChildFailedError as failure:
+        if all(process.exitcode == 2 for process in failure.failures.values()):
+            return 2  # UserErrors: each failed worker has said why in one line
         print(failure.format_msg(), file=sys.stderr)
         return 1
     return 0

@@ -63,8 +63,10 @@ def _resume_point(run_dir: Path, run):
     """`run` set to load the run's latest intact checkpoint (torchtitan would take the latest
     with a .metadata file), unless `checkpoint.load_step` names one. After an elastic restart
     rank 0 logs the damaged checkpoints it skips, the step it resumes from and the steps lost.
-    Only rank 0 reads the checkpoints to choose (verifying one reads all of its files); the
-    trainer hands its choice to every rank (`AsyncTrainer.load_rank0s_choice`)."""
+    Only rank 0 checks the checkpoints to choose (cheap checks: no file is read whole before the
+    process group exists); the trainer hands its choice to every rank
+    (`AsyncTrainer.load_rank0s_choice`), and each rank verifies the checksums of its share of the
+    files it loads (`titan_async.train.verified_load`)."""
     if not run.checkpoint.enable or run.checkpoint.load_step != -1 or os.environ.get("RANK", "0") != "0":
         return run
     restart = restart_count()
@@ -105,17 +107,15 @@ def train(run_dir: Path, verbose: bool = False, run=None) -> int:
     if not os.environ.get(MEMORY_CHECKED_ENV):  # started by torchrun without titan-async's launcher: check here
         check_launch(run, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     trainer = trainer_config(run, run_dir, int(os.environ.get("WORLD_SIZE", "1"))).build()
-    after_saves = AfterSaves(trainer.checkpointer, run_dir) if dist.get_rank() == 0 else None
-    if after_saves is not None:
-        trainer.save_hooks.after.append(after_saves)
+    after_saves = AfterSaves(trainer.checkpointer, run_dir, dist.get_rank())
+    trainer.save_hooks.after.append(after_saves)
     if dist.get_rank() == 0:
         runs.record_world_size(run_dir, dist.get_world_size())
     try:
         trainer.train()
     finally:
         trainer.close()
-        if after_saves is not None:
-            after_saves.finish()
+        after_saves.finish()
     if trainer.stop_reason is not None and dist.get_rank() == 0:
         runs.record_stop(run_dir, trainer.step, trainer.stop_reason)
     if dist.is_initialized():
@@ -132,17 +132,19 @@ def main() -> None:
 
 def run_worker(run_dir: str, verbose: bool) -> None:
     """A worker that torch's elastic agent started (as a fresh interpreter, or forked from the
-    launcher's agent after it imported everything); exits 2 with one line on a UserError, 1 with
-    its traceback on stderr on any other error (the agent's summary names only the first rank
-    that failed, and a forked worker's traceback would otherwise go to its error file only)."""
-    from titan_async.core.errors import UserError
+    launcher's agent after it imported everything); exits 2 with one line on a UserError (only on
+    rank 0 for an AgreedError), 1 with its traceback on stderr on any other error (the agent's
+    summary names only the first rank that failed, and a forked worker's traceback would
+    otherwise go to its error file only)."""
+    from titan_async.core.errors import AgreedError, UserError
 
     name_worker()
     platform.set_cpu_threads()
     try:
         status = train(Path(run_dir), verbose)
     except UserError as err:
-        print(f"titan-async: {err}", file=sys.stderr)
+        if not isinstance(err, AgreedError) or os.environ.get("RANK", "0") == "0":
+            print(f"titan-async: {err}", file=sys.stderr)
         sys.exit(2)
     except Exception:
         traceback.print_exc()

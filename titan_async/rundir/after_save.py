@@ -1,7 +1,8 @@
-"""What rank 0 does after each checkpoint save of a run: record the checksums of the finished
-save (`checksums`), delete the run that `train --overwrite` replaced once this run has an intact
-checkpoint (`overwrite`), and keep `checkpoint.keep_latest_k` also after the final save (torchtitan
-skips its purge there, leaving one checkpoint more than asked for)."""
+"""What each rank does after each checkpoint save of a run: record the checksums of the files it
+wrote, once they are written (`checksums`); and rank 0, which writes the run directory, also
+deletes the run that `train --overwrite` replaced once this run has an intact checkpoint
+(`overwrite`), and keeps `checkpoint.keep_latest_k` also after the final save (torchtitan skips
+its purge there, leaving one checkpoint more than asked for)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ from titan_async.rundir.overwrite import release_overwritten
 
 
 class AfterSaves:
-    """The after-save hook (`SaveHooks.after`) of the rank that writes the run directory; `finish`
-    waits for the checksums still being computed."""
+    """The after-save hook (`SaveHooks.after`) of rank `rank`; `finish` waits for the checksums
+    still being computed."""
 
-    def __init__(self, checkpointer, run_dir: Path) -> None:
+    def __init__(self, checkpointer, run_dir: Path, rank: int) -> None:
         self.checkpointer = checkpointer
         self.run_dir = run_dir
-        self.recorder = ChecksumRecorder()
+        self.rank = rank
+        self.recorder = ChecksumRecorder(rank)
 
     def __call__(self, step: int, last_step: bool, saved: bool) -> None:
         if not saved:
@@ -31,6 +33,8 @@ class AfterSaves:
             pending.add_done_callback(lambda future: self.recorder.start(checkpoint))
         else:
             self.recorder.start(checkpoint)
+        if self.rank != 0:
+            return
         if last_step:
             self.checkpointer._purge_stale_checkpoints()
         if (self.run_dir / runs.OVERWRITTEN_DIR).is_dir() and release_overwritten(self.run_dir):

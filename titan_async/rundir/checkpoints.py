@@ -1,4 +1,8 @@
-"""Which checkpoint a run resumes from: the latest whose files are intact. Nothing is deleted."""
+"""Which checkpoint a run resumes from: the latest whose files are intact. Nothing is deleted.
+
+The checks here are cheap (metadata, sizes, manifests; no file is read whole), since the launcher
+makes them before any process group exists; each file's checksum is verified when it is loaded
+(`titan_async.train.verified_load`), or, for `eval` and `export`, by `checked_step`."""
 
 from __future__ import annotations
 
@@ -17,8 +21,9 @@ from titan_async.rundir.directory import CHECKPOINT_DIR
 
 def damage(checkpoint: Path) -> str | None:
     """Why `checkpoint` cannot be loaded (.metadata missing or unreadable, a file it names missing
-    or shorter than the data it locates there, a file that no longer matches its recorded
-    checksum), or None when it is intact. Reads every file once when checksums were recorded."""
+    or shorter than the data it locates there, a file without a recorded checksum: its rank's
+    manifest is missing, so the save's checksums did not finish), or None when it is complete.
+    Reads .metadata and the manifests only."""
     if not (checkpoint / ".metadata").is_file():
         return "no .metadata: the save did not finish"
     try:
@@ -36,18 +41,26 @@ def damage(checkpoint: Path) -> str | None:
             return f"{name} missing"
         if path.stat().st_size < size:
             return f"{name} truncated ({path.stat().st_size} of {size} bytes)"
-    return checksums.mismatch(checkpoint)
+    try:
+        recorded = checksums.recorded(checkpoint)
+    except ValueError as err:
+        return str(err)
+    unrecorded = sorted({".metadata", *needed} - recorded.keys())
+    if unrecorded:
+        return f"no checksum recorded for {unrecorded[0]}: the save's checksums did not finish"
+    return None
 
 
 def checked_step(checkpoint: Path) -> int:
-    """N of an intact checkpoint directory RUN/checkpoint/step-N; UserError naming --checkpoint otherwise."""
+    """N of an intact checkpoint directory RUN/checkpoint/step-N, every file of it read against
+    its checksum (`eval` and `export` read it all anyway); UserError naming --checkpoint otherwise."""
     match = re.fullmatch(r"step-(\d+)", checkpoint.name)
     if match is None or checkpoint.parent.name != CHECKPOINT_DIR:
         raise UserError(f"--checkpoint {checkpoint}: expected a checkpoint directory RUN/checkpoint/step-N")
     if not checkpoint.is_dir():
         saved = ", ".join(p.name for _, p in reversed(_saved(checkpoint.parent.parent))) or "none"
         raise UserError(f"--checkpoint {checkpoint}: no such checkpoint (the run has: {saved})")
-    problem = damage(checkpoint)
+    problem = damage(checkpoint) or checksums.mismatch(checkpoint, checksums.recorded(checkpoint))[0]
     if problem is not None:
         raise UserError(f"--checkpoint {checkpoint}: cannot read the checkpoint ({problem})")
     return int(match.group(1))
@@ -61,7 +74,7 @@ def _saved(run_dir: Path) -> list[tuple[int, Path]]:
 
 
 def has_intact_checkpoint(run_dir: Path) -> bool:
-    """Whether some checkpoint of the run in `run_dir` is intact (`damage`)."""
+    """Whether some checkpoint of the run in `run_dir` is complete (`damage`)."""
     return any(damage(checkpoint) is None for _, checkpoint in _saved(run_dir))
 
 

@@ -1,6 +1,7 @@
 """torchtitan's Trainer with what titan-async runs need.
 
-- exact resume (RNG state, weight versions), a graceful stop on SIGINT/SIGTERM, progress;
+- exact resume (RNG state, weight versions) from a checkpoint whose checksums each rank verifies
+  for its share of the files it loads (`verified_load`), a graceful stop on SIGINT/SIGTERM, progress;
 - initial weights that depend only on the seed, whatever the parallel layout;
 - one step runner per schedule family, picked once (`_step_runner`): torch's schedules and no
   pipeline (`SynchronousSteps`), the single-process delayed-gradient rule
@@ -40,6 +41,7 @@ from titan_async.train.late_read import LateAllReduce
 from titan_async.train.save_hooks import SaveHooks
 from titan_async.train.streaming_steps import StreamingSteps
 from titan_async.train.synchronous_steps import SynchronousSteps
+from titan_async.train.verified_load import verify_loads
 from titan_async.train.wandb_runs import rank_run
 
 
@@ -101,6 +103,7 @@ class AsyncTrainer(Trainer):
             reinitialize_by_name(self.model_parts, config.debug.seed)
         if self.checkpointer.enable:
             self.checkpointer.states["rng"] = RNGState()
+            verify_loads(self.checkpointer)
         if config.validator.enable:
             self.validator.last_step = config.training.steps
         self.stop_request = StopRequest()

@@ -1,0 +1,72 @@
+"""Checkpoint checksums: each rank records the files it wrote; on resume, after the process group
+is up, each node verifies each file its ranks load once, and a damaged file is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import CONFIGS, TINY, run_cli, sets
+from titan_async.train.verified_load import share_out
+
+TWO_RANKS = ("--config", str(CONFIGS / "debug_cpu.toml"), "--nproc-per-node", "2")
+SLOW_CRC = Path(__file__).parent / "slow_crc"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A 2-process run of 2 steps with one checkpoint, step-2."""
+    run_dir = tmp_path_factory.mktemp("checksums") / "run"
+    run_cli("train", "--run-dir", str(run_dir), *TWO_RANKS, *sets(*TINY, "training.steps=2", "checkpoint.interval=2"))
+    return run_dir
+
+
+def data_files(checkpoint: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in checkpoint.iterdir() if not p.name.startswith("checksums")}
+
+
+def test_each_rank_records_the_files_it_wrote(saved):
+    checkpoint = saved / "checkpoint" / "step-2"
+    manifests = {p.name: sorted(json.loads(p.read_text())["files"]) for p in checkpoint.glob("checksums*")}
+    assert manifests == {"checksums.rank0.json": [".metadata", "__0_0.distcp"], "checksums.rank1.json": ["__1_0.distcp"]}
+
+
+def test_resume_verifies_after_the_process_group_is_up_once_per_node(saved, tmp_path):
+    """Every checksum chunk sleeps 2.5 s and collectives time out after 5 s. Verifying the 3 files
+    before the process group exists (titan-async before per-rank manifests) kept rank 1 waiting
+    for rank 0 past the timeout; now the ranks verify their shares at the same time."""
+    run_dir = shutil.copytree(saved, tmp_path / "run")
+    python_path = os.pathsep.join(filter(None, [str(SLOW_CRC), os.environ.get("PYTHONPATH")]))
+    run_cli("resume", "--run-dir", str(run_dir), *sets("training.steps=3", "checkpoint.load_only=true", "comm.init_timeout_seconds=5"),
+            env={"PYTHONPATH": python_path, "TITAN_ASYNC_TEST_CRC_DELAY": "2.5"})
+    checkpoint = run_dir / "checkpoint" / "step-2"
+    pattern = rf"checksummed (\d+) files \((\d+) bytes\) of {re.escape(str(checkpoint))} in"
+    verified = [int(m.group(2)) for rank in (0, 1) for m in re.finditer(pattern, (run_dir / "logs" / f"rank{rank}.log").read_text())]
+    assert len(verified) == 2 and sum(verified) == sum(len(data) for data in data_files(checkpoint).values()), verified
+
+
+def test_a_damaged_file_is_refused_in_one_line_naming_it(saved, tmp_path):
+    run_dir = shutil.copytree(saved, tmp_path / "run")
+    checkpoint = run_dir / "checkpoint" / "step-2"
+    damaged = bytearray((checkpoint / "__1_0.distcp").read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    (checkpoint / "__1_0.distcp").write_bytes(damaged)
+    before = data_files(checkpoint)
+    result = run_cli("resume", "--run-dir", str(run_dir), *sets("training.steps=3"), check=False)
+    said = [line for line in result.stderr.splitlines() if line.startswith("titan-async:")]
+    assert result.returncode == 2 and said == [
+        f"titan-async: checkpoint {checkpoint}: __1_0.distcp does not match its checksum (damaged in place); nothing was "
+        f"deleted: move step-2 out of {checkpoint.parent} to resume from an earlier checkpoint"], result.stderr[-3000:]
+    assert data_files(checkpoint) == before
+
+
+def test_each_node_verifies_each_file_it_loads_once_by_a_rank_that_loads_it():
+    wanted = [("a", [".metadata", "__0_0", "__1_0"]), ("a", [".metadata", "__1_0"]),
+              ("b", [".metadata", "__2_0"]), ("b", [".metadata", "__0_0", "__3_0"])]
+    sizes = {".metadata": 1, "__0_0": 10, "__1_0": 10, "__2_0": 10, "__3_0": 10}
+    assert share_out(wanted, sizes) == [["__0_0", ".metadata"], ["__1_0"], ["__2_0", ".metadata"], ["__0_0", "__3_0"]]
