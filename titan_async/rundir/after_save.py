@@ -1,7 +1,8 @@
 """What rank 0 does after each checkpoint save of a run: record the checksums of the finished
 save (`checksums`), delete the run that `train --overwrite` replaced once this run has an intact
 checkpoint (`overwrite`), and keep `checkpoint.keep_latest_k` also after the final save (torchtitan
-skips its purge there, leaving one checkpoint more than asked for)."""
+skips its purge there, leaving one checkpoint more than asked for). Its purge leaves the
+checkpoints that benchmark evaluations have pinned to them (`pins`)."""
 
 from __future__ import annotations
 
@@ -9,18 +10,22 @@ import logging
 from pathlib import Path
 
 from titan_async.rundir import directory as runs
+from titan_async.rundir import pins
+from titan_async.rundir.checkpoints import saved_checkpoints
 from titan_async.rundir.checksums import ChecksumRecorder
 from titan_async.rundir.overwrite import release_overwritten
 
 
 class AfterSaves:
-    """The after-save hook (`SaveHooks.after`) of the rank that writes the run directory; `finish`
-    waits for the checksums still being computed."""
+    """The after-save hook (`SaveHooks.after`) of the rank that writes the run directory, and
+    its checkpointer's purge (`purge`); `finish` waits for the checksums still being computed."""
 
     def __init__(self, checkpointer, run_dir: Path) -> None:
         self.checkpointer = checkpointer
         self.run_dir = run_dir
         self.recorder = ChecksumRecorder()
+        pins.clear(run_dir / runs.CHECKPOINT_DIR)
+        checkpointer._purge_stale_checkpoints = self.purge
 
     def __call__(self, step: int, last_step: bool, saved: bool) -> None:
         if not saved:
@@ -35,6 +40,15 @@ class AfterSaves:
             self.checkpointer._purge_stale_checkpoints()
         if (self.run_dir / runs.OVERWRITTEN_DIR).is_dir() and release_overwritten(self.run_dir):
             logging.getLogger("titan_async").info(f"deleted {self.run_dir / runs.OVERWRITTEN_DIR}: this run has an intact checkpoint")
+
+    def purge(self) -> None:
+        """torchtitan's purge (all but the latest `checkpoint.keep_latest_k` checkpoints, deleted
+        on its purge thread), except that a pinned checkpoint is handed to its evaluation."""
+        if not self.checkpointer._should_purge():
+            return
+        for _, checkpoint in saved_checkpoints(self.run_dir)[self.checkpointer.keep_latest_k:]:
+            if not pins.hand_over(checkpoint):
+                self.checkpointer.purge_queue.put(str(checkpoint))
 
     def finish(self) -> None:
         self.recorder.join()
