@@ -272,7 +272,6 @@ def _draw_pipeline_trace(directory: Path) -> None:
 
 def _eval(args) -> int:
     from titan_async.commands.evaluate import benchmark_checkpoint, evaluate_checkpoint
-
     from titan_async.train.eval_device import DEVICE_PATTERN
 
     if args.tasks is None:
