@@ -200,3 +200,81 @@ def test_a_bad_eval_section_is_one_line(tmp_path, capsys, assignment, named):
                *sets(*TINY, "checkpoint.interval=3", f'eval.tasks=["{yaml}"]', assignment))
     assert named in err, err
     assert not (tmp_path / "run").exists()
+
+
+SLOW_LOADER = '''
+import os, time
+from pathlib import Path
+import datasets
+
+def load(data_files, **metadata):
+    """The task's data once SLOW_TASK_UNTIL exists and SLOW_TASK_GONE does not (at most 120 s),
+    after appending the checkpoint folder's step directories then to SLOW_TASK_SEEN."""
+    until, gone = Path(os.environ["SLOW_TASK_UNTIL"]), Path(os.environ["SLOW_TASK_GONE"])
+    deadline = time.monotonic() + 120
+    while (not until.exists() or gone.exists()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    steps = sorted(p.name for p in gone.parent.glob("step-*"))
+    with open(os.environ["SLOW_TASK_SEEN"], "a") as seen:
+        seen.write(" ".join(steps) + "\\n")
+    return datasets.load_dataset("json", data_files=data_files)
+'''
+
+
+def write_slow_task(folder: Path) -> Path:
+    """`write_task`'s task, loaded through `SLOW_LOADER`: an evaluation that waits for training."""
+    yaml = write_task(folder)
+    (folder / "slow.py").write_text(SLOW_LOADER)
+    text = yaml.read_text().replace("dataset_path: json\n", "custom_dataset: !function slow.load\n")
+    yaml.write_text(text)
+    return yaml
+
+
+def test_a_slow_evaluation_keeps_its_checkpoint_and_training_goes_on(tmp_path):
+    """`[eval]` on every checkpoint with keep_latest_k = 2 (torchtitan's least) on PP 2 (rank 0
+    purges, rank 1 evaluates), the evaluation of step 1 held until step 5 is saved and step 3
+    purged: step 1 is still there when it is read, and deleted after; steps 2 to 4 are skipped
+    with a warning each (eval.max_pending = 1: step 5 waits); training goes on and finishes."""
+    yaml = write_slow_task(tmp_path / "task")
+    run_dir = tmp_path / "run"
+    checkpoints = run_dir / "checkpoint"
+    env = {**OFFLINE, "SLOW_TASK_UNTIL": str(checkpoints / "step-5" / ".metadata"),
+           "SLOW_TASK_GONE": str(checkpoints / "step-3"), "SLOW_TASK_SEEN": str(tmp_path / "seen.txt")}
+    result = run_cli("train", "--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--nproc-per-node", "2", "--run-dir", str(run_dir),
+                     *sets(*TINY, "training.steps=5", "checkpoint.interval=1", "checkpoint.keep_latest_k=2",
+                           "validation.enable=false", f'eval.tasks=["{yaml}"]', "eval.limit=2", "eval.num_fewshot=0"),
+                     env=env, timeout=180)
+    output = result.stdout + result.stderr
+    rows = [row["step"] for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if row["kind"] == "benchmark"]
+    assert rows == [1, 5], output[-3000:]
+    assert (tmp_path / "seen.txt").read_text().splitlines()[0].split() == ["step-1", "step-4", "step-5"]
+    for step in (2, 3, 4):
+        assert f"the benchmark of step {step} is skipped: the evaluations fall behind (eval.max_pending = 1" in output
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["pins", "step-4", "step-5"]
+    assert list((checkpoints / "pins").iterdir()) == []
+
+
+def test_the_evaluation_device_is_never_a_training_rank_gpu():
+    from titan_async.core.errors import UserError
+    from titan_async.train.eval_device import eval_device
+
+    assert eval_device("cpu", 8, 8) == "cpu"
+    assert eval_device("cuda:7", 4, 8) == "cuda:7"
+    for device, workers, gpus in (("cuda:3", 4, 8), ("cuda", 4, 8), ("cuda:0", 2, 1)):
+        with pytest.raises(UserError, match=f"eval.device = '{device}' is a training rank's GPU on this node"):
+            eval_device(device, workers, gpus)
+    for device, workers, gpus in (("cuda:8", 4, 8), ("cuda:0", 1, 0)):
+        with pytest.raises(UserError, match="no such GPU on this node"):
+            eval_device(device, workers, gpus)
+
+
+def test_a_training_rank_gpu_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    from titan_async.train import eval_device
+
+    monkeypatch.setattr(eval_device, "visible_gpus", lambda: 4)
+    yaml = write_task(tmp_path / "task")
+    err = fail(capsys, "train", "--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run"),
+               *sets(*TINY, f'eval.tasks=["{yaml}"]', "eval.device=cuda:1"))
+    assert err.endswith("eval.device = 'cuda:1' is a training rank's GPU on this node (its 2 rank(s) use cuda:0..cuda:1); "
+                        'a spare GPU is cuda:2..cuda:3, or use "cpu"'), err
+    assert not (tmp_path / "run").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -83,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--limit", type=positive_int, metavar="N", help="with --tasks: the first N examples of each task")
     evaluate.add_argument("--num-fewshot", type=count, metavar="K", help="with --tasks: K examples in each prompt (default: the task's)")
     evaluate.add_argument("--batch-size", type=positive_int, default=1, help="with --tasks: sequences per forward (default: 1)")
+    evaluate.add_argument("--device", metavar="DEVICE",
+                          help="with --tasks: cpu or cuda:N, where the model runs (default: the GPU when there is one, else cpu)")
 
     export = commands.add_parser("export", help="write a checkpoint as a Hugging Face Llama directory")
     export.add_argument("--checkpoint", type=Path, required=True, help="a checkpoint directory (RUN/checkpoint/step-N)")
@@ -148,6 +151,7 @@ def _train(args) -> int:
     run = load_run_config(path, args.set)
     nproc = args.nproc_per_node or process.local_workers()
     run.check(process.world_size(nproc))
+    _check_eval_device(run, nproc)
     directory = args.run_dir or runs.new_run_dir(path.stem, process.job_id())
     if process.restart_count():  # torchrun restarted this worker: the run continues from its checkpoint
         return _launch(directory, nproc, args.verbose, run, args.max_restarts)
@@ -188,6 +192,7 @@ def _resume(args) -> int:
         run = load_run_config(args.run_dir / "config.toml", args.set)
         check_resumable(saved, run)
         run.check(process.world_size(nproc))
+        _check_eval_device(run, nproc)
         trainer_config(run, args.run_dir, process.world_size(nproc))
         check_launch(run, nproc, args.skip_memory_check)
         if process.is_coordinator():
@@ -195,6 +200,18 @@ def _resume(args) -> int:
             runs.clear_stop(args.run_dir)
             print(f"resuming {args.run_dir} from {point[1].name}", flush=True)
         return _launch(args.run_dir, nproc, args.verbose, run, args.max_restarts)
+
+
+def _check_eval_device(run, nproc: int) -> None:
+    """UserError (one line) when the run benchmarks on a GPU that does not exist on this node or
+    that one of its `nproc` training ranks uses."""
+    from titan_async.train import eval_device
+
+    if run.eval.tasks:
+        try:
+            eval_device.eval_device(run.eval.device, nproc, eval_device.visible_gpus())
+        except UserError as err:
+            raise UserError(f"{run.source}: {err}") from None
 
 
 def _coordinator_lock(directory: Path):
@@ -261,12 +278,17 @@ def _draw_pipeline_trace(directory: Path) -> None:
 
 def _eval(args) -> int:
     from titan_async.commands.evaluate import benchmark_checkpoint, evaluate_checkpoint
+    from titan_async.train.eval_device import DEVICE_PATTERN
 
-    if args.tasks is None and (args.limit, args.num_fewshot) != (None, None):
-        raise UserError(f"{'--limit' if args.limit is not None else '--num-fewshot'}: applies only with --tasks")
+    if args.tasks is None:
+        for name, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot), ("--device", args.device)):
+            if value is not None:
+                raise UserError(f"{name}: applies only with --tasks")
+    if args.device is not None and not re.fullmatch(DEVICE_PATTERN, args.device):
+        raise UserError(f"--device {args.device}: expected cpu or cuda:N")
     if args.tasks is not None:
         return benchmark_checkpoint(args.checkpoint, args.tasks, limit=args.limit, num_fewshot=args.num_fewshot,
-                                    batch_size=args.batch_size, as_json=args.json)
+                                    batch_size=args.batch_size, device=args.device, as_json=args.json)
     return evaluate_checkpoint(args.checkpoint, as_json=args.json, prompt=args.prompt, max_new_tokens=args.max_new_tokens)
 
 

@@ -316,7 +316,7 @@ POSITIVE_COUNTS = (
     "training.steps", "training.local_batch_size", "training.seq_len", "training.gc_freq",
     "parallelism.pipeline_parallel_microbatch_size", "parallelism.paci.accumulation", "optimizer.muon.ns_steps",
     "lr_scheduler.total_steps", "metrics.log_freq", "validation.freq", "validation.steps",
-    "training.global_batch_size", "eval.freq", "eval.limit", "eval.batch_size",
+    "training.global_batch_size", "eval.freq", "eval.limit", "eval.batch_size", "eval.max_pending",
 )
 AUTO_COUNTS = ("training.global_batch_size", "validation.steps")
 

@@ -58,7 +58,7 @@ def checked_step(checkpoint: Path) -> int:
     if match is None or checkpoint.parent.name != CHECKPOINT_DIR:
         raise UserError(f"--checkpoint {checkpoint}: expected a checkpoint directory RUN/checkpoint/step-N")
     if not checkpoint.is_dir():
-        saved = ", ".join(p.name for _, p in reversed(_saved(checkpoint.parent.parent))) or "none"
+        saved = ", ".join(p.name for _, p in reversed(saved_checkpoints(checkpoint.parent.parent))) or "none"
         raise UserError(f"--checkpoint {checkpoint}: no such checkpoint (the run has: {saved})")
     problem = damage(checkpoint) or checksums.mismatch(checkpoint, checksums.recorded(checkpoint))[0]
     if problem is not None:
@@ -66,7 +66,7 @@ def checked_step(checkpoint: Path) -> int:
     return int(match.group(1))
 
 
-def _saved(run_dir: Path) -> list[tuple[int, Path]]:
+def saved_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     """(step, directory) of every checkpoint directory step-N, complete or not, newest first."""
     folder = run_dir / CHECKPOINT_DIR
     found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := re.fullmatch(r"step-(\d+)", p.name))] if folder.is_dir() else []
@@ -75,13 +75,13 @@ def _saved(run_dir: Path) -> list[tuple[int, Path]]:
 
 def has_intact_checkpoint(run_dir: Path) -> bool:
     """Whether some checkpoint of the run in `run_dir` is complete (`damage`)."""
-    return any(damage(checkpoint) is None for _, checkpoint in _saved(run_dir))
+    return any(damage(checkpoint) is None for _, checkpoint in saved_checkpoints(run_dir))
 
 
 def resume_point(run_dir: Path, warn: Callable[[str], None]) -> tuple[int, Path] | None:
     """(step, directory) of the latest intact checkpoint of `run_dir`, calling `warn` with one line
     for each newer, damaged one; None when the run saved none. UserError when every one is damaged."""
-    saved = _saved(run_dir)
+    saved = saved_checkpoints(run_dir)
     problems = []
     for step, checkpoint in saved:
         problem = damage(checkpoint)

@@ -1,39 +1,38 @@
 """Benchmarks during training (`[eval]`): lm-evaluation-harness tasks on the run's own checkpoints.
 
 After the save of every `eval.freq`-th step the reporting rank (the one that writes
-metrics.jsonl) runs `titan-async eval --checkpoint RUN/checkpoint/step-N --tasks ... --json` in a
-background process, one checkpoint at a time, while training goes on: the checkpoint is the
-drained stream's weights (every schedule drains before a save), and no pipeline stage waits for
-the evaluation. A finished evaluation is logged at the next step, under its own step: metrics.jsonl
-rows of kind "benchmark" and TensorBoard scalars `benchmark/<task>/<metric>`; the results also go
-to RUN/benchmarks/step-N.json, which `report` and `compare` show. At the end of training the
-reporting rank waits for the evaluations still running. A failed evaluation is a warning naming
-its log (RUN/logs/eval-step-N.log); training does not stop for it.
+metrics.jsonl) pins the checkpoint (`rundir.pins`: `checkpoint.keep_latest_k` keeps it until the
+evaluation has read it) and queues it; one background thread evaluates the queued checkpoints in
+save order, one at a time, each in a process of its own on `eval.device`
+(`benchmark_process`), while training goes on: the checkpoint is the drained stream's weights
+(every schedule drains before a save), and no pipeline stage waits for the evaluation. At most
+`eval.max_pending` checkpoints wait: a newer one pushes out the oldest waiting, with a one-line
+warning naming its step. A finished evaluation is logged at the next step, under its own step:
+metrics.jsonl rows of kind "benchmark" and TensorBoard scalars `benchmark/<task>/<metric>`; the
+results also go to RUN/benchmarks/step-N.json, which `report` and `compare` show. At the end of
+training the reporting rank waits for the evaluations still queued or running. A failed
+evaluation is a warning naming its log (RUN/logs/eval-step-N.log); training does not stop for it.
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import importlib.util
-import json
 import logging
 import os
 import queue
-import subprocess
-import sys
+import re
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from titan_async.rundir import directory as runs
-
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                      "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
-"""What makes a process a worker of this job; the evaluation process runs on its own."""
-SAVE_WAIT_S = 3600
-"""How long an evaluation waits for its checkpoint's save to finish."""
+from titan_async.rundir import pins
+from titan_async.train.benchmark_process import evaluate
+from titan_async.train.eval_device import DEVICE_PATTERN, eval_device, visible_gpus
 
 
 @dataclass(kw_only=True, slots=True)
@@ -50,6 +49,10 @@ class EvalSection:
     """Examples in each prompt (default: each task's own)."""
     batch_size: int = 8
     """Sequences per forward of the evaluation."""
+    device: str = "cpu"
+    """Where the evaluation runs: "cpu", or "cuda:N" a GPU of the reporting rank's node that no training rank uses."""
+    max_pending: int = 1
+    """Checkpoints that may wait while one is evaluated; a newer one skips the oldest waiting."""
 
     def check(self, checkpoint, model) -> str | None:
         """What stops these benchmarks from running with `checkpoint` (torchtitan's checkpoint
@@ -70,14 +73,17 @@ class EvalSection:
         if freq % checkpoint.interval:
             return (f"eval.freq ({freq}) must be a multiple of checkpoint.interval ({checkpoint.interval}): "
                     "each evaluation reads the checkpoint of its step")
+        if not re.fullmatch(DEVICE_PATTERN, self.device):
+            return f"eval.device = {self.device!r}: expected \"cpu\" or \"cuda:N\""
         if self.num_fewshot is not None and self.num_fewshot < 0:
             return f"eval.num_fewshot: expected 0 or more, got {self.num_fewshot}"
         return None
 
 
 class PeriodicBenchmarks:
-    """Evaluates checkpoints in a background process, in save order, and hands finished results
-    to `log(metrics, step)` when `log_finished` or `finish` is called (from the training loop)."""
+    """Evaluates checkpoints in a background thread (a bounded queue, in save order) and hands
+    finished results to `log(metrics, step)` when `log_finished` or `finish` is called (from the
+    training loop). Construction checks `section.device` on this node (UserError)."""
 
     def __init__(self, section: EvalSection, checkpoint_interval: int, run_dir: Path,
                  log: Callable[[dict[str, Any], int], None]) -> None:
@@ -85,20 +91,44 @@ class PeriodicBenchmarks:
         self.freq = section.freq or checkpoint_interval
         self.run_dir = run_dir
         self.log = log
-        self.pending: queue.Queue[int | None] = queue.Queue()
+        self.device = eval_device(section.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), visible_gpus())
+        self.waiting: collections.deque[int] = collections.deque()
+        self.changed = threading.Condition()
+        self.closing = False
+        self.saving: list[concurrent.futures.Future] = []
         self.finished: queue.Queue[tuple[int, dict | None]] = queue.Queue()
         self.thread: threading.Thread | None = None
         self.evaluated: set[int] = set()
 
-    def after_save(self, step: int) -> None:
-        """Queue the checkpoint of `step` (just saved) if it is a benchmark step."""
+    def checkpoint(self, step: int) -> Path:
+        return self.run_dir / runs.CHECKPOINT_DIR / f"step-{step}"
+
+    def after_save(self, step: int, pending: concurrent.futures.Future | None = None) -> None:
+        """Pin and queue the checkpoint of `step` (just saved; `pending`: its asynchronous write,
+        queued once done) if it is a benchmark step."""
         if step % self.freq or step in self.evaluated:
             return
         self.evaluated.add(step)
+        pins.pin(self.checkpoint(step))
         if self.thread is None:
             self.thread = threading.Thread(target=self._work, name="benchmarks", daemon=True)
             self.thread.start()
-        self.pending.put(step)
+        if pending is not None and not pending.done():
+            self.saving.append(pending)
+            pending.add_done_callback(lambda future: self._queue(step))
+        else:
+            self._queue(step)
+
+    def _queue(self, step: int) -> None:
+        with self.changed:
+            skipped = self.waiting.popleft() if len(self.waiting) >= self.section.max_pending else None
+            self.waiting.append(step)
+            self.changed.notify()
+        if skipped is not None:
+            pins.release(self.checkpoint(skipped))
+            logging.getLogger("titan_async").warning(
+                f"the benchmark of step {skipped} is skipped: the evaluations fall behind "
+                f"(eval.max_pending = {self.section.max_pending} checkpoint(s) waiting); step {step} waits instead")
 
     def log_finished(self) -> None:
         """Log the results of the evaluations finished since the last call."""
@@ -111,39 +141,28 @@ class PeriodicBenchmarks:
         """Wait for the evaluations still queued or running, and log them."""
         if self.thread is not None:
             logging.getLogger("titan_async").warning("training done; waiting for the benchmark evaluations still running")
-            self.pending.put(None)
+            concurrent.futures.wait(self.saving)
+            with self.changed:
+                self.closing = True
+                self.changed.notify()
             self.thread.join()
             self.thread = None
         self.log_finished()
 
-    def _work(self) -> None:
-        while (step := self.pending.get()) is not None:
-            self.finished.put((step, self._evaluate(step)))
+    def _next(self) -> int | None:
+        """The oldest waiting step, waiting for one; None once closing with none left."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.waiting or self.closing)
+            return self.waiting.popleft() if self.waiting else None
 
-    def _evaluate(self, step: int) -> dict | None:
-        """`titan-async eval --tasks` on the checkpoint of `step` once its save has finished (DCP
-        writes .metadata last; asynchronous checkpointing writes after `save` returns): its
-        "tasks" results, or None."""
-        checkpoint = self.run_dir / runs.CHECKPOINT_DIR / f"step-{step}"
-        deadline = time.monotonic() + SAVE_WAIT_S
-        while not (checkpoint / ".metadata").is_file() and time.monotonic() < deadline:
-            time.sleep(1)
-        s = self.section
-        command = [sys.executable, "-m", "titan_async.cli", "eval", "--checkpoint", str(checkpoint),
-                   "--tasks", ",".join(s.tasks), "--batch-size", str(s.batch_size), "--json"]
-        command += ["--limit", str(s.limit)] if s.limit else []
-        command += ["--num-fewshot", str(s.num_fewshot)] if s.num_fewshot is not None else []
-        env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-        result = subprocess.run(command, capture_output=True, text=True, env=env)
-        log_path = self.run_dir / "logs" / f"eval-step-{step}.log"
-        log_path.write_text(result.stdout + result.stderr)
-        printed = [line for line in result.stdout.splitlines() if line.startswith("{")]
-        if result.returncode != 0 or not printed:
-            last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-            logging.getLogger("titan_async").warning(
-                f"the benchmark of step {step} failed (exit {result.returncode}): {last}; log: {log_path}")
-            return None
-        return json.loads(printed[-1])["tasks"]
+    def _work(self) -> None:
+        while (step := self._next()) is not None:
+            checkpoint = self.checkpoint(step)
+            try:
+                tasks = evaluate(checkpoint, step, self.section, self.device, self.run_dir / "logs" / f"eval-step-{step}.log")
+            finally:
+                pins.release(checkpoint)
+            self.finished.put((step, tasks))
 
 
 def benchmark_scalars(tasks: dict[str, dict]) -> dict[str, float]:

@@ -138,7 +138,7 @@ class AsyncTrainer(Trainer):
 
         def after_save(step: int, last_step: bool, saved: bool) -> None:
             if saved:
-                benchmarks.after_save(step)
+                benchmarks.after_save(step, getattr(self.checkpointer, "save_future", None))
             benchmarks.log_finished()
 
         self.save_hooks.after.append(after_save)

@@ -118,15 +118,18 @@ def print_table(checkpoint: Path, step: int, tasks: dict[str, dict], path: Path)
 
 
 def evaluate_tasks(checkpoint: Path, tasks: str, *, limit: int | None, num_fewshot: int | None,
-                   batch_size: int, as_json: bool) -> int:
-    """Run lm-eval's `tasks` (the --tasks text) on `checkpoint`, store the results in its run
-    directory and print them (one JSON object with `as_json`, else a table); the exit status."""
+                   batch_size: int, device: str | None, as_json: bool) -> int:
+    """Run lm-eval's `tasks` (the --tasks text) on `checkpoint` on the torch `device` (None: the
+    GPU when there is one), store the results in its run directory and print them (one JSON
+    object with `as_json`, else a table); the exit status."""
     specs = parse_tasks(tasks)
+    if device not in (None, "cpu") and int(device.partition(":")[2] or 0) >= torch.cuda.device_count():
+        raise UserError(f"--device {device}: no such GPU (this process sees {torch.cuda.device_count()})")
     step = checked_step(checkpoint)
     datasets.disable_progress_bars()  # lm-eval's own bar shows the progress
     manager, built = load_tasks(specs)
     model, tokenizer = hf_model(checkpoint)
-    model.to("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     output = lm_eval.simple_evaluate(
         model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size),
         tasks=built, task_manager=manager, num_fewshot=num_fewshot, limit=limit, log_samples=False,
