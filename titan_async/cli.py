@@ -119,6 +119,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--costs-from", type=Path, metavar="RUN_DIR",
                       help="--simulate: costs measured by this traced run (metrics.pipeline_trace) of the same pipeline degree")
     plan.add_argument("--gantt", type=Path, metavar="PNG", help="--simulate: draw each schedule's first simulated steps")
+    plan.add_argument("--balance", action="store_true",
+                      help="--simulate: the stage split that evens out the ranks' simulated work, and every schedule's gain with it")
 
     config = commands.add_parser("config", help="inspect configs")
     config_commands = config.add_subparsers(dest="config_command", required=True)
@@ -320,7 +322,7 @@ def _plan(args) -> int:
 
     cluster = Cluster.parse(args.nodes, args.gpus_per_node, args.gpu_memory)
     simulation = None
-    for flag, value in (("--costs-from", args.costs_from), ("--gantt", args.gantt)):
+    for flag, value in (("--costs-from", args.costs_from), ("--gantt", args.gantt), ("--balance", args.balance or None)):
         if value is not None and not args.simulate:
             raise UserError(f"{flag}: applies only with --simulate")
     if args.simulate:
@@ -328,7 +330,7 @@ def _plan(args) -> int:
 
         simulation = SimulationOptions(args.mfu, args.peak_tflops, args.intra_node_gbps, args.inter_node_gbps,
                                        args.costs_from, args.gantt)
-    return run_plan(load_run_config(_config_path(args.config), args.set), cluster, args.strict, args.json, simulation)
+    return run_plan(load_run_config(_config_path(args.config), args.set), cluster, args.strict, args.json, simulation, args.balance)
 
 
 def _config_show(args) -> int:

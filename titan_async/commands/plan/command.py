@@ -17,6 +17,7 @@ from titan_async.commands.plan.estimate import (
 )
 from titan_async.commands.plan.memory import compare_schedules, gib
 from titan_async.commands.plan.render import print_plan
+from titan_async.commands.plan.balance import balanced_split, gains, with_split
 from titan_async.commands.plan.simulate import SimulationOptions, simulate_plan
 from titan_async.config.run_config import RunConfig
 from titan_async.core.errors import UserError
@@ -127,10 +128,16 @@ def _check_mixture_of_experts(run: RunConfig) -> None:
         )
 
 
-def run_plan(run: RunConfig, cluster: Cluster, strict: bool, as_json: bool, simulation: SimulationOptions | None = None) -> int:
-    """Print the plan (with `simulation`, the simulated schedules too); 1 if `strict` and some
-    rank does not fit, else 0. Warnings go to stderr."""
+def run_plan(run: RunConfig, cluster: Cluster, strict: bool, as_json: bool, simulation: SimulationOptions | None = None,
+             balance: bool = False) -> int:
+    """Print the plan (with `simulation`, the simulated schedules too; with `balance`, the
+    balanced split and every schedule simulated with it); 1 if `strict` and some rank does not
+    fit, else 0. Warnings go to stderr."""
     plan = make_plan(run, cluster, simulation=simulation)
+    if balance:
+        split = balanced_split(run, cluster, simulation)
+        balanced = make_plan(with_split(run, split["module_fqns_per_model_part"]), cluster, simulation=simulation)
+        plan["balance"] = {**split, "schedules": gains(plan["simulation"], balanced["simulation"])}
     print_plan(plan, as_json)
     for warning in plan["warnings"]:
         print(f"titan-async: warning: {warning}", file=sys.stderr)

@@ -213,6 +213,18 @@ def _header(plan: dict[str, Any]) -> list[str]:
     ]
 
 
+def _balance_table(balance: dict[str, Any]) -> Table:
+    shares = " ".join(f"{share:.1%}" for share in balance["shares"])
+    configured = " ".join(f"{share:.1%}" for share in balance["configured_shares"])
+    return Table(
+        f"Balanced split (--balance: contiguous modules per stage, the costliest stage as cheap as it can be by the "
+        f"simulator's costs; stage shares of a step's work: configured {configured}; balanced {shares})",
+        ["schedule", "tokens/s configured", "tokens/s balanced", "gain", ""],
+        [[s["name"], f"{s['configured']:,.0f}", f"{s['balanced']:,.0f}", f"{s['gain']:.3f}x",
+          "<- this config" if s["selected"] else ""] for s in balance["schedules"]],
+    )
+
+
 def _plain(table: Table) -> str:
     cells = [table.columns, *table.rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(table.columns))]
@@ -267,3 +279,6 @@ def print_plan(plan: dict[str, Any], as_json: bool) -> None:
         else:
             print("\n" + _plain(table))
         print("\n".join(_simulation_notes(plan["simulation"])))
+    if "balance" in plan:
+        print("\n" + _plain(_balance_table(plan["balance"])))
+        print("module_fqns_per_model_part = " + json.dumps(plan["balance"]["module_fqns_per_model_part"]))
