@@ -119,6 +119,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--costs-from", type=Path, metavar="RUN_DIR",
                       help="--simulate: costs measured by this traced run (metrics.pipeline_trace) of the same pipeline degree")
     plan.add_argument("--gantt", type=Path, metavar="PNG", help="--simulate: draw each schedule's first simulated steps")
+    plan.add_argument("--gpu-counts", type=_gpu_counts, metavar="N,N,...",
+                      help="--simulate: every schedule at each GPU count for the config's global batch (on --nodes x --gpus-per-node)")
+    plan.add_argument("--advice-png", type=Path, metavar="PNG", help="--gpu-counts: draw tokens/s against GPUs")
     plan.add_argument("--balance", action="store_true",
                       help="--simulate: the stage split that evens out the ranks' simulated work, and every schedule's gain with it")
 
@@ -315,6 +318,16 @@ def _compare(args) -> int:
     return run_compare(args.run_dirs, args.baseline, args.target, args.out, args.json)
 
 
+def _gpu_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive GPU counts separated by commas, got {text!r}")
+    return counts
+
+
 def _plan(args) -> int:
     from titan_async.commands.plan.command import run_plan
     from titan_async.commands.plan.estimate import Cluster
@@ -322,15 +335,23 @@ def _plan(args) -> int:
 
     cluster = Cluster.parse(args.nodes, args.gpus_per_node, args.gpu_memory)
     simulation = None
-    for flag, value in (("--costs-from", args.costs_from), ("--gantt", args.gantt), ("--balance", args.balance or None)):
+    for flag, value in (("--costs-from", args.costs_from), ("--gantt", args.gantt), ("--balance", args.balance or None),
+                        ("--gpu-counts", args.gpu_counts)):
         if value is not None and not args.simulate:
             raise UserError(f"{flag}: applies only with --simulate")
+    if args.advice_png is not None and args.gpu_counts is None:
+        raise UserError("--advice-png: applies only with --gpu-counts")
     if args.simulate:
         from titan_async.commands.plan.simulate import SimulationOptions
 
         simulation = SimulationOptions(args.mfu, args.peak_tflops, args.intra_node_gbps, args.inter_node_gbps,
                                        args.costs_from, args.gantt)
-    return run_plan(load_run_config(_config_path(args.config), args.set), cluster, args.strict, args.json, simulation, args.balance)
+    run = load_run_config(_config_path(args.config), args.set)
+    if args.gpu_counts is not None:
+        from titan_async.commands.plan.command import run_advice
+
+        return run_advice(run, cluster, simulation, args.gpu_counts, args.json, args.advice_png)
+    return run_plan(run, cluster, args.strict, args.json, simulation, args.balance)
 
 
 def _config_show(args) -> int:

@@ -4,9 +4,12 @@ the trainer never builds what `train` refuses)."""
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 from typing import Any
 
+from titan_async.commands.plan.advise import advise, draw
 from titan_async.commands.plan.dry_run import ESTIMATE_ONLY_NOTE, NOT_BUILT_NOTE, dry_run
 from titan_async.commands.plan.estimate import (
     Cluster,
@@ -16,7 +19,7 @@ from titan_async.commands.plan.estimate import (
     mixture_of_experts,
 )
 from titan_async.commands.plan.memory import compare_schedules, gib
-from titan_async.commands.plan.render import print_plan
+from titan_async.commands.plan.render import advice_text, print_plan
 from titan_async.commands.plan.balance import balanced_split, gains, with_split
 from titan_async.commands.plan.simulate import SimulationOptions, simulate_plan
 from titan_async.config.run_config import RunConfig
@@ -142,3 +145,16 @@ def run_plan(run: RunConfig, cluster: Cluster, strict: bool, as_json: bool, simu
     for warning in plan["warnings"]:
         print(f"titan-async: warning: {warning}", file=sys.stderr)
     return 1 if strict and not plan["fits"] else 0
+
+
+def run_advice(run: RunConfig, cluster: Cluster, simulation: SimulationOptions, gpu_counts: list[int], as_json: bool,
+               picture: Path | None) -> int:
+    """Print which schedule is fastest at each GPU count for the config's global batch (`advise`)."""
+    advice = advise(run, cluster, gpu_counts, lambda r, c: make_plan(r, c, simulation=simulation))
+    if picture is not None and advice["points"]:
+        draw(advice, picture)
+    if as_json:
+        print(json.dumps(advice))
+        return 0
+    print(advice_text(advice))
+    return 0
