@@ -109,6 +109,24 @@ def test_split_backward_schedules_refuse_selective_activation_checkpointing():
         check(*chosen, "activation_checkpoint.mode=full")
 
 
+def test_split_backward_schedules_turn_off_donated_buffers(monkeypatch):
+    """torch's default lets a compiled backward donate its buffers, and then refuses to run it a
+    second time, which the weight half of a split backward does (tools/gpu/bench_split_backward.py
+    met it on a GPU with FlexAttention, on the CPU with compiled blocks): a split schedule turns the
+    donation off and warns what compiled blocks cost; other schedules leave torch's setting."""
+    import torch._functorch.config as functorch_config
+
+    from titan_async.pipeline.config import prepare_split_backward
+
+    monkeypatch.setattr(functorch_config, "donated_buffer", True)
+    assert prepare_split_backward("1F1B", compiled=True) is None and functorch_config.donated_buffer
+    assert prepare_split_backward("PipeDream2BW", compiled=True) is None and functorch_config.donated_buffer
+    assert prepare_split_backward("ZBVZeroBubble", compiled=False) is None and not functorch_config.donated_buffer
+    monkeypatch.setattr(functorch_config, "donated_buffer", True)
+    warning = prepare_split_backward("dualpipev", compiled=True)
+    assert not functorch_config.donated_buffer and "(I + W) / B = 2.14" in warning
+
+
 @pytest.mark.parametrize(
     "assignment, message",
     [

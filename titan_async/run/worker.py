@@ -102,10 +102,14 @@ def train(run_dir: Path, verbose: bool = False, run=None) -> int:
     from titan_async.commands.plan.fits import check_launch
     from titan_async.config.assemble import trainer_config
     from titan_async.config.run_config import load_run_config
+    from titan_async.pipeline.config import prepare_split_backward
 
     run = _resume_point(run_dir, run or load_run_config(run_dir / runs.CONFIG_FILE))
     if not os.environ.get(MEMORY_CHECKED_ENV):  # started by torchrun without titan-async's launcher: check here
         check_launch(run, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    warning = prepare_split_backward(run.parallelism.pipeline_parallel_schedule, run.compile.enable and not platform.is_cpu())
+    if warning:
+        logging.getLogger("titan_async").warning(warning)
     trainer = trainer_config(run, run_dir, int(os.environ.get("WORLD_SIZE", "1"))).build()
     after_saves = AfterSaves(trainer.checkpointer, run_dir, dist.get_rank())
     trainer.save_hooks.after.append(after_saves)
