@@ -281,6 +281,15 @@ def test_plan_predicts_the_all_to_all_bytes_the_expert_parallel_run_sent(ep_paci
         assert moved > 0 and abs(moved / expected - 1) <= 0.1, (stage, moved, expected)
 
 
+def test_emulated_stages_write_one_file_from_rank_0(ep_paci):
+    """With every stage in one process (FSDP 2, emulated stages) rank 0 alone writes, as "stage 0",
+    the scalars summed over its stages."""
+    emulated, _ = ep_paci
+    assert sorted(p.name for p in (emulated / "pipeline").iterdir()) == ["stage0.jsonl"]
+    rows = stage_records(emulated)[0]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and {r["rank"] for r in rows} == {0}
+
+
 @pytest.mark.parametrize("runs", ["ep_2bw", "ep_paci"])
 def test_expert_parallel_streaming_run_resumes_exactly(runs, request, tmp_path):
     """Both 2BW versions of the EP-sharded experts and of the biases, Muon's momenta and error
