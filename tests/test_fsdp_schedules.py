@@ -109,10 +109,11 @@ def test_streaming_schedules_move_the_fsdp_bytes_of_1f1b_as_planned_and_2bw_keep
     does once per step: all-gather + reduce-scatter bytes per step of each stage's first rank
     within 1.3x of 1F1B's (measured by counting FSDP's collectives) and within 10% of what `plan`
     predicts; 2BW keeps one copy of the stage's shard, whose size the plan's dry run measures on a
-    fake process group. Ranks 0 and 2 alone write the stages' scalars, and W&B (offline, the 2BW
-    run) has one run for the job by default."""
+    fake process group. Ranks 0 and 2 alone write the stages' scalars, and W&B (offline) has one
+    run for the job by default (2BW), one more per stage with `metrics.wandb_rank_runs` (PACI)."""
     settings = (*TINY, "training.steps=6", "lr_scheduler.total_steps=6", "validation.enable=false", "checkpoint.enable=false")
-    wandb = {"PipeDream2BW": ("metrics.enable_wandb=true", "metrics.wandb_mode=offline")}
+    offline = ("metrics.enable_wandb=true", "metrics.wandb_mode=offline")
+    wandb = {"PipeDream2BW": offline, "PACI": (*offline, "metrics.wandb_rank_runs=true")}
     per_step, records = {}, {}
     for schedule in ("1F1B", "PipeDream2BW", "PACI"):
         run = train(tmp_path / schedule, *settings, f"parallelism.pipeline_parallel_schedule={schedule}", *wandb.get(schedule, ()))
@@ -122,8 +123,9 @@ def test_streaming_schedules_move_the_fsdp_bytes_of_1f1b_as_planned_and_2bw_keep
             stage: statistics.median(r["fsdp_all_gather_bytes"] + r["fsdp_reduce_scatter_bytes"] for r in rows)
             for stage, rows in records[schedule].items()
         }
-    run_id = json.loads((tmp_path / "PipeDream2BW" / "launch.json").read_text())["run_id"]
-    assert [p.name for p in (tmp_path / "PipeDream2BW").rglob("run-*.wandb")] == [f"run-{run_id}.wandb"]
+    for schedule, suffixes in (("PipeDream2BW", [""]), ("PACI", ["", "-stage0", "-stage1"])):
+        run_id = json.loads((tmp_path / schedule / "launch.json").read_text())["run_id"]
+        assert sorted(p.name for p in (tmp_path / schedule).rglob("run-*.wandb")) == sorted(f"run-{run_id}{s}.wandb" for s in suffixes)
     assert sorted(per_step["1F1B"]) == [0, 1] and all(per_step["1F1B"].values())
     for schedule in ("PipeDream2BW", "PACI"):
         for stage, moved in per_step[schedule].items():
