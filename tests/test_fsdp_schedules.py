@@ -85,45 +85,70 @@ def test_float8_emulated_2bw_with_fsdp_tracks_float32(tmp_path):
     assert emulated != reference
 
 
-def rank_records(run_dir) -> dict[int, list[dict]]:
-    """Global rank -> its per-step pipeline scalars."""
+def stage_records(run_dir) -> dict[int, list[dict]]:
+    """Pipeline stage -> the per-step pipeline scalars its first rank wrote."""
     return {
-        int(path.stem.removeprefix("rank")): [json.loads(line) for line in path.read_text().splitlines()]
-        for path in sorted((run_dir / "pipeline").glob("rank*.jsonl"))
+        int(path.stem.removeprefix("stage")): [json.loads(line) for line in path.read_text().splitlines()]
+        for path in sorted((run_dir / "pipeline").glob("stage*.jsonl"))
     }
+
+
+def assert_one_writer_per_stage(run_dir, writers: list[int]) -> None:
+    """Stage s's scalars come from rank writers[s] alone, once per step: no per-rank file, one
+    TensorBoard folder per stage."""
+    records = stage_records(run_dir)
+    assert {stage: {r["rank"] for r in rows} for stage, rows in records.items()} == {s: {w} for s, w in enumerate(writers)}
+    for rows in records.values():
+        assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    assert sorted(p.name for p in (run_dir / "pipeline").iterdir()) == [f"stage{s}.jsonl" for s in range(len(writers))]
+    assert sorted(p.name for p in (run_dir / "tb" / "pipeline").iterdir()) == [f"stage{s}" for s in range(len(writers))]
 
 
 def test_streaming_schedules_move_the_fsdp_bytes_of_1f1b_as_planned_and_2bw_keeps_one_shard_copy(tmp_path, capsys):
     """Under PP 2 x FSDP 2 a streaming stage gathers and reduces once per update, as torch's 1F1B
-    does once per step: all-gather + reduce-scatter bytes per step per rank within 1.3x of 1F1B's
-    (measured by counting FSDP's collectives) and within 10% of what `plan` predicts; 2BW keeps
-    one copy of the stage's shard, whose size the plan's dry run measures on a fake process group."""
+    does once per step: all-gather + reduce-scatter bytes per step of each stage's first rank
+    within 1.3x of 1F1B's (measured by counting FSDP's collectives) and within 10% of what `plan`
+    predicts; 2BW keeps one copy of the stage's shard, whose size the plan's dry run measures on a
+    fake process group. Ranks 0 and 2 alone write the stages' scalars, and W&B (offline) has one
+    run for the job by default (2BW), one more per stage with `metrics.wandb_rank_runs` (PACI)."""
     settings = (*TINY, "training.steps=6", "lr_scheduler.total_steps=6", "validation.enable=false", "checkpoint.enable=false")
+    offline = ("metrics.enable_wandb=true", "metrics.wandb_mode=offline")
+    wandb = {"PipeDream2BW": offline, "PACI": (*offline, "metrics.wandb_rank_runs=true")}
     per_step, records = {}, {}
     for schedule in ("1F1B", "PipeDream2BW", "PACI"):
-        run = train(tmp_path / schedule, *settings, f"parallelism.pipeline_parallel_schedule={schedule}")
-        records[schedule] = rank_records(run)
+        run = train(tmp_path / schedule, *settings, f"parallelism.pipeline_parallel_schedule={schedule}", *wandb.get(schedule, ()))
+        assert_one_writer_per_stage(run, writers=[0, 2])
+        records[schedule] = stage_records(run)
         per_step[schedule] = {
-            rank: statistics.median(r["fsdp_all_gather_bytes"] + r["fsdp_reduce_scatter_bytes"] for r in rows)
-            for rank, rows in records[schedule].items()
+            stage: statistics.median(r["fsdp_all_gather_bytes"] + r["fsdp_reduce_scatter_bytes"] for r in rows)
+            for stage, rows in records[schedule].items()
         }
-    assert sorted(per_step["1F1B"]) == [0, 1, 2, 3] and all(per_step["1F1B"].values())
+    for schedule, suffixes in (("PipeDream2BW", [""]), ("PACI", ["", "-stage0", "-stage1"])):
+        run_id = json.loads((tmp_path / schedule / "launch.json").read_text())["run_id"]
+        assert sorted(p.name for p in (tmp_path / schedule).rglob("run-*.wandb")) == sorted(f"run-{run_id}{s}.wandb" for s in suffixes)
+    assert sorted(per_step["1F1B"]) == [0, 1] and all(per_step["1F1B"].values())
     for schedule in ("PipeDream2BW", "PACI"):
-        for rank, moved in per_step[schedule].items():
-            assert moved <= 1.3 * per_step["1F1B"][rank], (schedule, rank, moved, per_step["1F1B"][rank])
+        for stage, moved in per_step[schedule].items():
+            assert moved <= 1.3 * per_step["1F1B"][stage], (schedule, stage, moved, per_step["1F1B"][stage])
 
     code, out, _ = cli_in_process(capsys, "plan", "--config", str(CONFIGS / "debug_cpu_pp2_fsdp2.toml"), "--gpus-per-node", "4",
                                   *sets(*settings, "parallelism.pipeline_parallel_schedule=PipeDream2BW"), "--json")
     assert code == 0
     plan = json.loads(out)
     predicted = {row["name"]: row["ranks"] for row in plan["communication"]}
-    for schedule, ranks in per_step.items():
-        for rank, moved in ranks.items():
-            expected = predicted[schedule][rank // 2]
-            assert abs(moved / (expected["all_gather"] + expected["reduce_scatter"]) - 1) <= 0.1, (schedule, rank, moved, predicted[schedule])
+    for schedule, stages in per_step.items():
+        for stage, moved in stages.items():
+            expected = predicted[schedule][stage]
+            assert abs(moved / (expected["all_gather"] + expected["reduce_scatter"]) - 1) <= 0.1, (schedule, stage, moved, predicted[schedule])
 
+    compared = []
     for dry in plan["dry_run"]["ranks"]:
+        rows = records["PipeDream2BW"][dry["pp_rank"]]
+        if dry["rank"] != rows[0]["rank"]:
+            continue  # not its stage's writer
         shard = dry["allocated"]["weights"]
         assert dry["allocated"]["weight_versions"] == dry["estimate"]["weight_versions"] == shard
-        measured = max(r["weight_versions_gib"] for r in records["PipeDream2BW"][dry["rank"]]) * 2**30
+        measured = max(r["weight_versions_gib"] for r in rows) * 2**30
         assert abs(measured - shard) <= 1e-6 * shard, dry["rank"]
+        compared.append(dry["rank"])
+    assert compared == [0, 2]

@@ -29,7 +29,7 @@ from torchtitan.models.common.moe import GroupedExperts
 
 import nccl_model
 from conftest import CONFIGS, TINY, cli_in_process, metrics, run_cli, sets
-from test_fsdp_schedules import rank_records, train
+from test_fsdp_schedules import stage_records, train
 from test_benchmark_eval import OFFLINE, TASK, reference, write_task
 from test_hf_export import export_cli, hf_logits, loaders, titan_model
 from test_schedules import assert_close_weights, assert_same_run, final_weights
@@ -231,9 +231,9 @@ def test_2bw_moe_with_hsdp_and_expert_parallel_all_reduces_dense_and_expert_shar
     """PP 2 x replicas 2 x FSDP 2 x EP 2 (8 processes): an MoE block is one FSDP unit with two
     parameter groups (the dense weights on the replicate x shard mesh, the experts on the
     replicate x expert-FSDP mesh), each all-reducing its reduced shard across the replicas. The
-    run trains 3 steps with finite losses, and every rank counts the bytes of both groups'
-    all-reduces once per update (under 2BW stage 0 reduces its last update in the drain, so the
-    steps' sum is compared; ranks 0-3 hold stage 0)."""
+    run trains 3 steps with finite losses, and each stage's first rank (0 and 4, which write the
+    stages' scalars) counts the bytes of both groups' all-reduces once per update (under 2BW stage 0
+    reduces its last update in the drain, so the steps' sum is compared)."""
     steps = 3
     run_dir = tmp_path / "run"
     run_cli("train", *PP2_EP2[:2], "--nproc-per-node", "8", "--run-dir", str(run_dir),
@@ -241,11 +241,11 @@ def test_2bw_moe_with_hsdp_and_expert_parallel_all_reduces_dense_and_expert_shar
                   "parallelism.data_parallel_replicate_degree=2", f"training.steps={steps}", "checkpoint.enable=false"))
     losses = {step: row["loss_metrics/global_avg_loss"] for step, row in metrics(run_dir).items()}
     assert sorted(losses) == list(range(1, steps + 1)) and all(math.isfinite(loss) for loss in losses.values()), losses
-    records = rank_records(run_dir)
-    assert sorted(records) == list(range(8))
-    for rank, rows in records.items():
-        assert [r["step"] for r in rows] == list(range(1, steps + 1))
-        assert sum(r["replica_all_reduce_bytes"] for r in rows) == steps * hsdp_ep_all_reduce_bytes(rank // 4), rank
+    records = stage_records(run_dir)
+    assert sorted(records) == [0, 1]
+    for stage, rows in records.items():
+        assert [r["step"] for r in rows] == list(range(1, steps + 1)) and {r["rank"] for r in rows} == {4 * stage}
+        assert sum(r["replica_all_reduce_bytes"] for r in rows) == steps * hsdp_ep_all_reduce_bytes(stage), stage
 
 
 def test_plan_predicts_the_all_to_all_bytes_the_expert_parallel_run_sent(ep_paci, capsys):
@@ -273,10 +273,21 @@ def test_plan_predicts_the_all_to_all_bytes_the_expert_parallel_run_sent(ep_paci
     # FSDP moves the dense weights only: each rank holds its 4 experts whole (FSDP 2 / EP 2 = a
     # one-rank expert group), so counting every expert gathered would predict 1.9x the bytes.
     predicted = next(row["ranks"] for row in plan["communication"] if row["name"] == "PACI")
-    for rank, rows in rank_records(pipelined).items():
+    records = stage_records(pipelined)
+    assert sorted(records) == [0, 1]
+    for stage, rows in records.items():
         moved = statistics.median(r["fsdp_all_gather_bytes"] + r["fsdp_reduce_scatter_bytes"] for r in rows)
-        expected = predicted[rank // 2]["all_gather"] + predicted[rank // 2]["reduce_scatter"]
-        assert moved > 0 and abs(moved / expected - 1) <= 0.1, (rank, moved, expected)
+        expected = predicted[stage]["all_gather"] + predicted[stage]["reduce_scatter"]
+        assert moved > 0 and abs(moved / expected - 1) <= 0.1, (stage, moved, expected)
+
+
+def test_emulated_stages_write_one_file_from_rank_0(ep_paci):
+    """With every stage in one process (FSDP 2, emulated stages) rank 0 alone writes, as "stage 0",
+    the scalars summed over its stages."""
+    emulated, _ = ep_paci
+    assert sorted(p.name for p in (emulated / "pipeline").iterdir()) == ["stage0.jsonl"]
+    rows = stage_records(emulated)[0]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and {r["rank"] for r in rows} == {0}
 
 
 @pytest.mark.parametrize("runs", ["ep_2bw", "ep_paci"])

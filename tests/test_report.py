@@ -68,9 +68,9 @@ def test_report_of_a_traced_pipeline_run_shows_bubble_timeline_and_stop(finished
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir, ignore=shutil.ignore_patterns("checkpoint", "report"))
     (run_dir / "pipeline").mkdir()
-    for rank in (0, 1):
-        rows = [{"step": step, "time": float(step), "memory_gib": 0.5, "bubble": 0.1 * (rank + 1)} for step in range(1, 7)]
-        (run_dir / "pipeline" / f"rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for stage in (0, 1):
+        rows = [{"step": step, "rank": stage, "time": float(step), "memory_gib": 0.5, "bubble": 0.1 * (stage + 1)} for step in range(1, 7)]
+        (run_dir / "pipeline" / f"stage{stage}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     timeline = Figure(figsize=(4, 1))
     timeline.add_subplot().broken_barh([(0, 1)], (0, 1))
     timeline.savefig(run_dir / "pipeline" / "timeline.png")
@@ -78,7 +78,7 @@ def test_report_of_a_traced_pipeline_run_shows_bubble_timeline_and_stop(finished
 
     page_path = write_report(run_dir, tmp_path / "out" / "page.html")
     page = page_path.read_text()
-    assert '<section id="pipeline">' in page and "Measured pipeline bubble per rank" in page
+    assert '<section id="pipeline">' in page and "Measured pipeline bubble per stage (its first rank)" in page
     assert "at step 6 by a signal, with a checkpoint" in page
     folder = page_path.parent
     assert sorted(p.name for p in folder.glob("*.png")) == ["bubble.png", "loss.png", "throughput.png", "timeline.png"]

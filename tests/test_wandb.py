@@ -2,7 +2,7 @@
 
 The test reads the offline run files W&B itself wrote (`run-<id>.wandb`: W&B's record log, a
 LevelDB-style log of protobuf `Record`s, decoded here by hand with W&B's own protobuf classes)
-and compares their history with metrics.jsonl and the per-rank pipeline/rank<R>.jsonl files.
+and compares their history with metrics.jsonl and the per-stage pipeline/stage<s>.jsonl files.
 """
 
 from __future__ import annotations
@@ -56,10 +56,11 @@ def history(run_dir: Path, run_id: str) -> dict[int, dict[str, float]]:
     return steps, sessions
 
 
-def test_offline_run_holds_the_runs_scalars_and_each_ranks_and_resume_appends(tmp_path):
+def test_offline_run_holds_the_runs_scalars_and_each_stages_and_resume_appends(tmp_path):
     run_dir = tmp_path / "run"
     common = (*TINY, "parallelism.pipeline_parallel_schedule=PipeDream2BW", "validation.enable=false",
-              "metrics.enable_wandb=true", "metrics.wandb_mode=offline", "checkpoint.interval=2")
+              "metrics.enable_wandb=true", "metrics.wandb_mode=offline", "metrics.wandb_rank_runs=true",
+              "checkpoint.interval=2")
     run_cli("train", "--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--nproc-per-node", "2", "--run-dir", str(run_dir),
             *sets(*common, "training.steps=4"))
     run_id = json.loads((run_dir / "launch.json").read_text())["run_id"]
@@ -72,10 +73,11 @@ def test_offline_run_holds_the_runs_scalars_and_each_ranks_and_resume_appends(tm
               if row["kind"] == "train"}
     assert sorted(losses) == list(range(1, 7))
     assert {step: logged[step]["loss_metrics/global_avg_loss"] for step in losses} == losses
-    for rank in (0, 1):
-        per_rank, sessions = history(run_dir, f"{run_id}-rank{rank}")
-        rows = [json.loads(line) for line in (run_dir / "pipeline" / f"rank{rank}.jsonl").read_text().splitlines()]
-        assert sessions == 2 and sorted(per_rank) == list(range(1, 7))
+    for stage in (0, 1):
+        per_stage, sessions = history(run_dir, f"{run_id}-stage{stage}")
+        rows = [json.loads(line) for line in (run_dir / "pipeline" / f"stage{stage}.jsonl").read_text().splitlines()]
+        assert sessions == 2 and sorted(per_stage) == list(range(1, 7)) == [row["step"] for row in rows]
         for row in rows:
-            assert per_rank[row["step"]]["pipeline/bubble"] == row["bubble"]
-            assert per_rank[row["step"]]["pipeline/staleness"] == row["staleness"]
+            assert per_stage[row["step"]]["pipeline/bubble"] == row["bubble"]
+            assert per_stage[row["step"]]["pipeline/staleness"] == row["staleness"]
+    assert len({path.name for path in run_dir.rglob("run-*.wandb")}) == 3  # the job's run and one per stage

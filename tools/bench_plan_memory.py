@@ -14,7 +14,7 @@ transport's buffers); each storage is counted once, and a weak reference to it t
 off when it is freed. `UntypedStorage.resize_`, which FSDP2 uses to free and re-allocate its
 unsharded parameters and which no operator dispatches, is patched to count too. This counts
 what the memory model describes, tensors, independently of it; the process's resident memory
-(what `memory_gib` of pipeline/rank<R>.jsonl reports on CPU) is mostly the libraries' code and
+(what `memory_gib` of pipeline/stage<s>.jsonl reports on CPU) is mostly the libraries' code and
 heaps.
 """
 

@@ -22,7 +22,8 @@ of K x m microbatches, K flushes of m for torch's schedules). With FSDP or repli
 the table adds the collective bytes per step on each rank, all-gather +
 reduce-scatter + replica all-reduce (the tensor bytes each takes, counted from the
 collectives FSDP issues; median over the measured steps), the replica all-reduce
-bytes alone, and the largest per-rank ratio to 1F1B's.
+bytes alone, and the largest per-rank ratio to 1F1B's. "Rank" is a pipeline rank:
+its scalars are those of its stage's first process (pipeline/stage<s>.jsonl).
 
 The default model has balanced stages, so that idle time is the schedule's and not
 the layer split's: at dim 128 with the 2048-token vocabulary the output head costs
@@ -123,10 +124,10 @@ def run(schedule: str, args, run_dir: Path) -> dict:
     measured steps, and the ideal tokens/s of a traced (streaming) run."""
     titan_async("train", schedule, args, "--nproc-per-node", str(processes(args)), "--run-dir", str(run_dir))
     measured = range(args.warmup + 1, args.steps)  # the last step also drains
-    per_rank = {}
-    for path in sorted((run_dir / "pipeline").glob("rank*.jsonl")):
+    per_rank = {}  # stage -> its first rank's rows (pipeline/stage<s>.jsonl); one rank per stage without --fsdp/--replicas
+    for path in sorted((run_dir / "pipeline").glob("stage*.jsonl")):
         rows = {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
-        per_rank[int(path.stem[4:])] = rows
+        per_rank[int(path.stem.removeprefix("stage"))] = rows
     step_time = statistics.median(per_rank[0][s]["time"] - per_rank[0][s - 1]["time"] for s in measured)
     tokens = args.microbatch_size * args.microbatches * args.seq_len * args.fsdp * args.replicas * args.accumulate
     trace = run_dir / "pipeline" / "trace.json"

@@ -28,10 +28,10 @@ def draw_plots(record: RunRecord, folder: Path) -> list[tuple[str, str, Path]]:
     line_chart(folder / "throughput.png", "throughput", "tokens/s per device",
                [("tokens/s per device", *series(record.train, THROUGHPUT))])
     plots.append(("throughput", "Tokens per second per device (torchtitan's throughput(tps))", folder / "throughput.png"))
-    if record.rank_bubbles:
-        lines = [(f"rank {rank}", sorted(b), [b[s] for s in sorted(b)]) for rank, b in sorted(record.rank_bubbles.items())]
+    if record.stage_bubbles:
+        lines = [(f"stage {stage}", sorted(b), [b[s] for s in sorted(b)]) for stage, b in sorted(record.stage_bubbles.items())]
         line_chart(folder / "bubble.png", "pipeline bubble", "idle share of the step", lines)
-        plots.append(("pipeline", "Measured pipeline bubble per rank", folder / "bubble.png"))
+        plots.append(("pipeline", "Measured pipeline bubble per stage (its first rank)", folder / "bubble.png"))
     if (record.directory / TIMELINE).is_file():
         shutil.copyfile(record.directory / TIMELINE, folder / "timeline.png")
         plots.append(("pipeline", "Pipeline timeline of the traced steps: forwards blue, backwards green, optimizer steps red",

@@ -1,5 +1,5 @@
 """What a run directory recorded, read once: its config, launch settings, training and
-validation scalars by step (metrics.jsonl) and each pipeline rank's measured bubble."""
+validation scalars by step (metrics.jsonl) and each pipeline stage's measured bubble."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ class RunRecord:
     train: dict[int, dict]
     """Step -> training scalars (the last row logged for that step)."""
     validation: dict[int, dict]
-    rank_bubbles: dict[int, dict[int, float]]
-    """Pipeline rank -> step -> measured bubble, from pipeline/rankR.jsonl."""
+    stage_bubbles: dict[int, dict[int, float]]
+    """Pipeline stage -> step -> measured bubble (of the stage's first rank), from pipeline/stage<s>.jsonl."""
 
 
 def _json_rows(path: Path) -> list[dict]:
@@ -55,10 +55,10 @@ def read_run(directory: Path, argument: str = "--run-dir") -> RunRecord:
     if not train:
         raise UserError(f"{argument} {directory}: no training step logged yet ({metrics_file.name} is missing or empty)")
     bubbles = {}
-    for path in sorted((directory / "pipeline").glob("rank*.jsonl")):
+    for path in sorted((directory / "pipeline").glob("stage*.jsonl")):
         per_step = {row["step"]: row["bubble"] for row in _json_rows(path) if row.get("bubble") is not None}
         if per_step:
-            bubbles[int(path.stem.removeprefix("rank"))] = per_step
+            bubbles[int(path.stem.removeprefix("stage"))] = per_step
     config_text = (directory / runs.CONFIG_FILE).read_text()
     return RunRecord(
         directory=directory,
@@ -67,7 +67,7 @@ def read_run(directory: Path, argument: str = "--run-dir") -> RunRecord:
         launch=launch,
         train=train,
         validation={row["step"]: row for row in rows if row.get("kind") == "validation"},
-        rank_bubbles=bubbles,
+        stage_bubbles=bubbles,
     )
 
 

@@ -23,7 +23,7 @@ class DelayedSteps:
         self.synchronous = SynchronousSteps(trainer, balance_experts=False)
         self.timeline = None
         self.balances: dict = {}
-        self.per_rank_records = False
+        self.per_stage_records = False
         blocks = moe_blocks(model)
         data_group = trainer.parallel_dims.get_mesh("batch").get_group() if trainer.parallel_dims.dp_enabled else None
         self.balance = DelayedLoadBalance(blocks, data_group) if blocks else None

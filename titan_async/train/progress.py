@@ -154,8 +154,9 @@ class RunMetrics(MetricsProcessor):
         """The W&B team or user (default: the logged-in user's)."""
         wandb_mode: Literal["online", "offline"] = "online"
         """offline: write the W&B runs into the run directory only, for `wandb sync` later."""
-        wandb_rank_runs: bool = True
-        """With enable_wandb, a W&B run per rank for its pipeline scalars (one run per process of the job)."""
+        wandb_rank_runs: bool = False
+        """With enable_wandb, also a W&B run per pipeline stage for the stage's scalars (pipeline/stage<s>.jsonl);
+        off, the job has one W&B run."""
 
     def __init__(self, config: Config, *, parallel_dims, dump_folder: str = "./outputs", pp_schedule: str = "1F1B", **kwargs):
         # torchtitan's MFU divides by a GPU's peak FLOPS; it leaves MFU out where that peak does not

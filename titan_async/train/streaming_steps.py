@@ -41,7 +41,7 @@ class StreamingSteps:
 
     def __init__(self, trainer, emulated: bool) -> None:
         self.trainer = trainer
-        self.per_rank_records = True
+        self.per_stage_records = True
         self.rows: list[_Row] = []
         self.stage_group = self._stage_group(emulated)
         self.balances: dict[int, StageLoadBalance] = {}

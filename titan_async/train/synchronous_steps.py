@@ -22,7 +22,7 @@ class SynchronousSteps:
         self.policies: dict = {}
         self.balances: dict = {}
         self.timeline = None
-        self.per_rank_records = trainer.parallel_dims.pp_enabled
+        self.per_stage_records = trainer.parallel_dims.pp_enabled
         if trainer.config.metrics.pipeline_trace and trainer.parallel_dims.pp_enabled:
             self.timeline = Timeline(dist.get_rank(), True, trainer.device)
             trace_torch_stages(self._local_stages(), self.timeline)

@@ -15,7 +15,6 @@ to `training.max_norm` when it steps; the logged norm is the last stage's.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -39,10 +38,10 @@ from titan_async.train.delayed_steps import DelayedSteps
 from titan_async.train.health import HealthGuard, HealthSection
 from titan_async.train.late_read import LateAllReduce
 from titan_async.train.save_hooks import SaveHooks
+from titan_async.train.stage_records import StageRecords, written_stage
 from titan_async.train.streaming_steps import StreamingSteps
 from titan_async.train.synchronous_steps import SynchronousSteps
 from titan_async.train.verified_load import verify_loads
-from titan_async.train.wandb_runs import rank_run
 
 
 class StopRequest:
@@ -115,7 +114,7 @@ class AsyncTrainer(Trainer):
         keep_weight_versions(self, self.steps)
         configured_over_loaded(self)
         self.benchmarks = self._benchmark_after_saves(config)
-        self.rank_wandb = None
+        self.stage_records = self._stage_records(config)
 
     def _step_runner(self) -> SynchronousSteps | DelayedSteps | StreamingSteps:
         """The step runner of the run's schedule family: the one place that asks which it is."""
@@ -151,50 +150,44 @@ class AsyncTrainer(Trainer):
         self.health.end_step()
         if self.health.exhausted():
             self.stop_request.request("nonfinite")
-        if self.steps.per_rank_records:
-            self._record_rank_step()
+        if self.steps.per_stage_records:
+            self._record_stage_step()
         self.metrics_processor.end_training_step()
 
-    def _record_rank_step(self) -> None:
-        """This rank's pipeline scalars for the step (end time, step time, peak memory; with a
-        streaming schedule the bubble, the staleness of the applied gradient and the memory of
-        weight versions beyond the live weights (shards, and gathered under FSDP); with FSDP the
-        bytes all-gathered and reduce-scattered; on logging steps, which read the device anyway,
-        the error-feedback correction norm): appended to <run-dir>/pipeline/rank<R>.jsonl and
-        written to TensorBoard under tb/pipeline/rank<R> and to the rank's W&B run, since
-        metrics.jsonl only holds the reporting rank's view."""
-        now, rank = time.time(), dist.get_rank()
+    def _stage_records(self, config: Config) -> StageRecords | None:
+        """The writer of this rank's stage scalars, on the one rank per stage that writes them."""
+        if not self.steps.per_stage_records:
+            return None
+        stage = written_stage(dist.get_rank(), self.parallel_dims.world_size, self.parallel_dims.pp)
+        return None if stage is None else StageRecords(Path(config.dump_folder), stage, config.metrics)
+
+    def _record_stage_step(self) -> None:
+        """The stage's pipeline scalars for the step, as its writing rank sees them (`stage_records`):
+        end time, step time, peak memory; with a streaming schedule the bubble, the staleness of
+        the applied gradient and the memory of weight versions beyond the live weights (shards,
+        and gathered under FSDP); with FSDP the bytes all-gathered and reduce-scattered; on
+        logging steps, which read the device anyway, the error-feedback correction norm.
+        metrics.jsonl only holds the reporting rank's view. Every rank takes the step's
+        scalars, which resets their per-step counts; only the writer builds and writes the record."""
+        now = time.time()
+        scalars = self.steps.rank_scalars()
+        if self.stage_records is None:
+            return
+        step_time, self._last_step_end = now - getattr(self, "_last_step_end", now), now
         record = {
             "step": self.step,
+            "rank": dist.get_rank(),
             "time": now,
-            "step_time_s": now - getattr(self, "_last_step_end", now),
+            "step_time_s": step_time,
             "memory_gib": self.metrics_processor.device_memory_monitor.get_peak_stats().max_reserved_gib,
+            **scalars,
         }
-        self._last_step_end = now
-        record.update(self.steps.rank_scalars())
         if self.fsdp_traffic is not None:
             record.update(self.fsdp_traffic.take())
         correction = getattr(self.optimizers, "error_feedback_norm", lambda: None)()
         if correction is not None and self.metrics_processor.should_log(self.step):
             record["ef_correction_norm"] = float(correction)
-        folder = Path(self.config.dump_folder) / "pipeline"
-        folder.mkdir(exist_ok=True)
-        with open(folder / f"rank{rank}.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-        scalars = {f"pipeline/{key}": value for key, value in record.items() if key not in ("step", "time") and value is not None}
-        tb_folder = Path(self.config.dump_folder) / "tb" / "pipeline" / f"rank{rank}"
-        metrics = self.config.metrics
-        if metrics.enable_tensorboard:
-            if not hasattr(self, "_rank_writer"):
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._rank_writer = SummaryWriter(tb_folder)
-            for key, value in scalars.items():
-                self._rank_writer.add_scalar(key, value, self.step)
-        if metrics.enable_wandb and metrics.wandb_rank_runs:
-            if self.rank_wandb is None:
-                self.rank_wandb = rank_run(Path(self.config.dump_folder), rank, metrics, tb_folder)
-            self.rank_wandb.log(scalars, step=self.step)
+        self.stage_records.write(record)
 
     def should_continue_training(self) -> bool:
         if self.step >= self.config.training.steps:
@@ -228,8 +221,8 @@ class AsyncTrainer(Trainer):
                 self.benchmarks.finish()
         finally:
             self.metrics_processor.close_display(self.step, self.ntokens_seen)
-            if self.rank_wandb is not None:
-                self.rank_wandb.finish()
+            if self.stage_records is not None:
+                self.stage_records.close()
             if self.steps.timeline is not None and self.config.metrics.pipeline_trace:
                 folder = Path(self.config.dump_folder) / "pipeline"
                 folder.mkdir(exist_ok=True)
