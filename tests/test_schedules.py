@@ -198,6 +198,8 @@ def test_2bw_equals_delayed_gradient_reference(tmp_path, capsys, delayed_referen
                 f"parallelism.pipeline_parallel_degree={stages}", "parallelism.pipeline_parallel_microbatch_size=1",
                 nproc=str(stages), config="debug_cpu_pp2.toml")
     assert_same_run(delayed_reference, run)  # global grad norms included
+    assert all(row[f"staleness/stage{s}"] == row[f"staleness_max/stage{s}"] == 1.0 for row in metrics(run).values()
+               for s in range(stages))  # every 2BW gradient is one optimizer step old
     assert f"sqrt({stages}) x 1 = {math.sqrt(stages):.4g}" in (run / "logs" / "rank0.log").read_text()  # the clipping notice
     reference, pipelined = final_weights(delayed_reference), final_weights(run)
     assert_close_weights(pipelined, reference)
@@ -265,9 +267,23 @@ def test_streaming_schedule_equals_its_single_process_emulation(tmp_path, schedu
     pipelined = train(tmp_path / "pp", *common, f"parallelism.pipeline_parallel_degree={stages}", nproc=str(stages), config="debug_cpu_pp2.toml")
     emulated = train(tmp_path / "emulated", *common, f"parallelism.emulated_stages={stages}")
     assert_same_run(emulated, pipelined)
+    if (schedule, stages) == ("PACI", 4):
+        assert_paci_staleness(pipelined, stages, microbatches=8)
     assert_close_weights(final_weights(pipelined), final_weights(emulated))
     nccl_model.assert_nccl_safe(pipelined / "comm", stages)
     device_replay.assert_flows_as_simulated(pipelined / "comm", schedule, stages, microbatches=8)
+
+
+def assert_paci_staleness(run, stages: int, microbatches: int) -> None:
+    """PACI with a local step every `microbatches` backwards: in a steady window stage s holds
+    p - 1 - s microbatches in flight, each of which one local step crosses, so its delays
+    average (p - 1 - s) / m and reach 1 (0 on the last stage). Steady windows here: the steps
+    that neither start the stream nor follow its drain at step 3."""
+    rows = metrics(run)
+    for step in (3, 5, 6):
+        for s in range(stages):
+            assert rows[step][f"staleness/stage{s}"] == pytest.approx((stages - 1 - s) / microbatches), (step, s)
+            assert rows[step][f"staleness_max/stage{s}"] == (1.0 if s < stages - 1 else 0.0), (step, s)
 
 
 def test_paci_accumulation_changes_the_update_timing(tmp_path):

@@ -37,7 +37,9 @@ class StreamingSteps:
 
     A logging step's metrics row waits for the global gradient norm of the update that applied
     its batch (`StageGradNorms`): summed a step after every stage made that update and read a
-    step later, so the row of step t is logged at step t + 2, or at the next drain."""
+    step later, so the row of step t is logged at step t + 2, or at the next drain. The row also
+    holds each stage's norm and its delays since the previous row (`_take_staleness`): their mean
+    (staleness/stage<s>) and largest (staleness_max/stage<s>)."""
 
     def __init__(self, trainer, emulated: bool) -> None:
         self.trainer = trainer
@@ -49,6 +51,8 @@ class StreamingSteps:
         self.policies = self._emulate_stages() if emulated else self._attach_to_schedule()
         self._balance_expert_load()
         self.grad_norms = self._grad_norms(emulated)
+        self.delays_since_record = {executor.stage: [] for executor in self.stream.executors}
+        self.delays_since_row = {executor.stage: [] for executor in self.stream.executors}
         config = trainer.config
         notice = clipping_notice(config.training.max_norm, self.grad_norms.stages)
         logger.info(notice)
@@ -204,6 +208,7 @@ class StreamingSteps:
                 self.timeline.start_window()
             losses = self.stream.run_window(trainer.step - 1, fed, {"global_valid_tokens": global_valid_tokens})
             bubble = self.timeline.end_window() if self.timeline else None
+            self._take_staleness()
             if trainer.metrics_processor.should_log(trainer.step):
                 extra = {**lr_metrics, **({"pipeline/bubble": bubble} if bubble is not None else {})}
                 self.rows.append(self._row(losses, local_valid_tokens, global_valid_tokens, extra))
@@ -219,7 +224,10 @@ class StreamingSteps:
         policy = next(iter(self.policies.values()))[0]
         step = self.trainer.step
         row = self.trainer.metrics_processor.hold(step, loss, max_loss, {"n_tokens_seen": int(tokens), **extra})
-        return _Row(step, policy.update_of_batch(step - 1), row)
+        delays = self.delays_since_row
+        self.delays_since_row = {stage: [] for stage in delays}
+        staleness = [{s: sum(d) / len(d) for s, d in delays.items() if d}, {s: max(d) for s, d in delays.items() if d}]
+        return _Row(step, policy.update_of_batch(step - 1), row, staleness)
 
     def _log_rows(self, drained: bool) -> None:
         """Log each waiting row whose norm was started at an earlier step; start the norms of
@@ -228,12 +236,15 @@ class StreamingSteps:
         step, logged = self.trainer.step, 0
         for row in self.rows:
             if row.started_at is not None and (row.started_at < step or drained):
-                norm, stage_norms = self.grad_norms.read(row.update)
-                stages = {f"grad_norm/stage{s}": n for s, n in enumerate(stage_norms)}
+                norm, stage_norms, (mean, worst) = self.grad_norms.read(row.step)
+                stages = {}
+                for s in range(self.grad_norms.stages):
+                    stages.update({f"grad_norm/stage{s}": stage_norms[s], f"staleness/stage{s}": mean[s],
+                                   f"staleness_max/stage{s}": worst[s]})
                 self.trainer.metrics_processor.write_held(row.step, row.metrics, norm, stages)
                 logged += 1
             elif row.started_at is None and (row.step < step or drained):
-                self.grad_norms.start(row.update)
+                self.grad_norms.start(row.step, row.update, row.staleness)
                 row.started_at = step
         del self.rows[:logged]
         if drained and self.rows:
@@ -306,16 +317,21 @@ class StreamingSteps:
         scalars["gathered_versions_gib"] = sum(e.policy.gathered_copy_bytes() for e in executors) / 2**30
         return scalars
 
-    def _staleness(self) -> float:
-        """Optimizer steps between the weights a gradient was computed at and those it updates:
-        1 for PipeDream2BW; for PACI, the mean number of local updates a microbatch crossed
-        between its forward and backward since the last record."""
-        crossed = [n for e in self.stream.executors for n in e.crossed]
+    def _take_staleness(self) -> None:
+        """Each local stage's delays of the step just run, in optimizer steps between the weights a
+        gradient was computed at and those it updates: 1 for PipeDream2BW; for PACI, the local
+        updates each microbatch crossed between its forward and backward."""
         for executor in self.stream.executors:
+            delays = [1] * len(executor.crossed) if isinstance(executor.policy, OneStepDelay) else list(executor.crossed)
             executor.crossed.clear()
-        if isinstance(self.stream.executors[0].policy, OneStepDelay):
-            return 1.0
-        return sum(crossed) / len(crossed) if crossed else 0.0
+            self.delays_since_record[executor.stage] += delays
+            self.delays_since_row[executor.stage] += delays
+
+    def _staleness(self) -> float:
+        """The mean delay (`_take_staleness`) of this rank's stages since the last record."""
+        delays = [d for stage in self.delays_since_record.values() for d in stage]
+        self.delays_since_record = {stage: [] for stage in self.delays_since_record}
+        return sum(delays) / len(delays) if delays else 0.0
 
 
 def clipping_notice(max_norm: float, stages: int) -> str:
@@ -335,6 +351,8 @@ class _Row:
     update: int
     metrics: dict
     """The row as `RunMetrics.hold` measured it."""
+    staleness: list[dict[int, float]]
+    """Each local stage's mean and largest delay since the previous row."""
     started_at: int | None = None
     """The step at which the norm's sum was started."""
 
