@@ -3,8 +3,8 @@
 The equality tests in test_schedules.py compare a pipelined run with titan-async's own
 `training.gradient_delay = 1` mode or its single-process emulation, which share the weight
 versions, executor and step code with the pipeline. This module shares none of it: it imports
-nothing from titan_async (a grep of this file finds the name only in this sentence and the
-one below). What it takes from elsewhere:
+nothing from the titan-async package (its import name appears nowhere in this file; a test
+checks). What it takes from elsewhere:
 
 - the model: torchtitan's own Llama 3 modules (`Llama3Model`, built from the same sizes as the
   run's resolved config.toml), with the per-document causal attention written out here (dense
@@ -19,6 +19,9 @@ one below). What it takes from elsewhere:
   learning-rate factor transcribed, and each stage's gradient clipped on its own when it steps;
 - the stage boundaries: hard-coded for 2 stages of 4 layers, as torchtitan splits them
   (stage 0: tok_embeddings, layers.0-1; stage 1: layers.2-3, norm, lm_head).
+
+Run under pytest, the process has also run the package's `platform.configure()` (conftest.py:
+it makes torchtitan pick the CPU and gloo; it changes no model or optimizer arithmetic).
 
 The rules, written out:
 - PipeDream-2BW: W[k+1] = W[k] - Opt(grad f_k(W[k-1])), W[-1] = W[0], with a deep copy of the
@@ -80,6 +83,14 @@ class Settings:
     decay_type: str
     min_lr_factor: float
     accumulation: int | None
+    optimizer: str = "adamw"
+    adamw_lr: float = 0.0
+    """AdamW's peak lr (with Muon, optimizer.muon.adamw_lr; else optimizer.lr)."""
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    error_feedback: float | None = None
+    """The error-feedback coefficient c, None when off."""
 
     @property
     def microbatches(self) -> int:
@@ -94,7 +105,10 @@ def read_settings(run_dir: Path, vocab_size: int) -> Settings:
     assert m["multiple_of"] == -1 and m["ffn_dim_multiplier"] == -1.0 and m["float8"] == "none"
     assert m["n_layers"] == 4 and p["pipeline_parallel_degree"] == 2, "the stage split is hard-coded for 2 stages of 4 layers"
     assert t["dtype"] == "float32" and t.get("global_batch_size", -1) in (-1, t["local_batch_size"])
-    assert c["activation_checkpoint"]["mode"] == "none" and o["name"] == "adamw"
+    assert c["activation_checkpoint"]["mode"] == "none" and o["name"] in ("adamw", "muon")
+    muon, ef = o["muon"], o["error_feedback"]
+    if o["name"] == "muon":
+        assert muon["lr_scaling"] == "match_rms_adamw" and muon["ns_dtype"] in ("auto", "float32")
     return Settings(
         dim=m["dim"], n_layers=m["n_layers"], n_heads=m["n_heads"], vocab_size=vocab_size, rope_theta=m["rope_theta"],
         seed=c["debug"]["seed"], steps=t["steps"], local_batch_size=t["local_batch_size"],
@@ -102,6 +116,8 @@ def read_settings(run_dir: Path, vocab_size: int) -> Settings:
         lr=o["lr"], betas=(o["beta1"], o["beta2"]), eps=o["eps"], weight_decay=o["weight_decay"],
         warmup_steps=s["warmup_steps"], decay_ratio=s["decay_ratio"], decay_type=s["decay_type"],
         min_lr_factor=s["min_lr_factor"], accumulation=p.get("paci", {}).get("accumulation"),
+        optimizer=o["name"], adamw_lr=muon["adamw_lr"] if o["name"] == "muon" else o["lr"], momentum=muon["momentum"],
+        nesterov=muon["nesterov"], ns_steps=muon["ns_steps"], error_feedback=ef["coefficient"] if ef["enabled"] else None,
     )
 
 
@@ -195,10 +211,11 @@ def stage_of(name: str) -> int:
     return next(s for s, modules in enumerate(STAGES) for m in modules if name == m or name.startswith(m + "."))
 
 
-def stage_params(model: nn.Module) -> list[list[nn.Parameter]]:
-    params: list[list[nn.Parameter]] = [[] for _ in STAGES]
+def stage_params(model: nn.Module) -> list[list[tuple[str, nn.Parameter]]]:
+    """Each stage's (name, parameter) pairs."""
+    params: list[list[tuple[str, nn.Parameter]]] = [[] for _ in STAGES]
     for name, param in model.named_parameters():
-        params[stage_of(name)].append(param)
+        params[stage_of(name)].append((name, param))
     return params
 
 
@@ -234,22 +251,87 @@ def valid_tokens(batch: list[Microbatch]) -> int:
     return int(sum((mb.labels != -100).sum() for mb in batch))
 
 
+def newton_schulz(matrix: torch.Tensor, steps: int) -> torch.Tensor:
+    """Muon's orthogonalisation (Keller Jordan's published quintic): X = M / ||M||_F (the wide way
+    round), then `steps` times X <- a X + (b A + c A^2) X with A = X X^T, (a, b, c) = (3.4445, -4.7750, 2.0315)."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = matrix.T if matrix.shape[0] > matrix.shape[1] else matrix
+    x = x / x.norm().clamp(min=1e-7)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if matrix.shape[0] > matrix.shape[1] else x
+
+
+def qkv_blocks(matrix: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Q, K and V rows of torchtitan's fused wqkv (rows: per KV head, its query heads, then its key, then its
+    value, each head_dim rows), with one query head per KV head as in these runs."""
+    grouped = matrix.reshape(-1, 3, head_dim, matrix.shape[1])
+    return tuple(grouped[:, i].reshape(-1, matrix.shape[1]) for i in range(3))
+
+
+def merge_qkv(blocks, head_dim: int) -> torch.Tensor:
+    cols = blocks[0].shape[1]
+    return torch.stack([b.reshape(-1, head_dim, cols) for b in blocks], dim=1).reshape(-1, cols)
+
+
 class StageOptimizer:
-    """One stage's AdamW: its gradient clipped to max_norm on its own, at the lr of scheduler step `lr_step`."""
+    """One stage's optimizers, stepped together: the stage's gradient clipped to max_norm on its
+    own, then AdamW (every parameter, or with Muon the embedding, head and non-matrices) and Muon
+    (the blocks' hidden matrices), each at its peak lr times the factor of scheduler step
+    `lr_step`, and error feedback when configured: w -= u_t + c (u_t - u_{t-1}) from the second
+    update on, u_t the optimizer's own update. `whole_qkv` (a control) orthogonalises the fused
+    wqkv as one matrix instead of its Q, K and V blocks."""
 
-    def __init__(self, params: list[nn.Parameter], settings: Settings) -> None:
-        self.params, self.settings = params, settings
-        self.norms: list[float] = []
-        self.adamw = torch.optim.AdamW(params, lr=settings.lr, betas=settings.betas, eps=settings.eps,
+    def __init__(self, named: list[tuple[str, nn.Parameter]], settings: Settings, head_dim: int = 0,
+                 error_feedback: bool = True, whole_qkv: bool = False) -> None:
+        self.settings, self.head_dim, self.whole_qkv = settings, head_dim, whole_qkv
+        self.params = [p for _, p in named]
+        self.ef = settings.error_feedback if error_feedback else None
+        muon = settings.optimizer == "muon"
+        self.matrices = [(n, p) for n, p in named if muon and p.ndim == 2 and n.startswith("layers.")]
+        others = [p for n, p in named if not any(p is q for _, q in self.matrices)]
+        self.adamw = torch.optim.AdamW(others, lr=settings.adamw_lr, betas=settings.betas, eps=settings.eps,
                                        weight_decay=settings.weight_decay, fused=True)
+        self.momentum = {n: torch.zeros_like(p) for n, p in self.matrices}
+        self.previous = {id(p): torch.zeros_like(p) for p in self.params}
+        self.updates = 0
+        self.norms: list[float] = []
 
-    def step(self, lr_step: int) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.settings.max_norm, foreach=True)
-        for group in self.adamw.param_groups:
-            group["lr"] = self.settings.lr * lr_factor(self.settings, lr_step)
-        self.adamw.step()
-        self.adamw.zero_grad()
+    @torch.no_grad()
+    def step(self, lr_step: int) -> None:
+        settings = self.settings
+        norm = torch.nn.utils.clip_grad_norm_(self.params, settings.max_norm, foreach=True)
         self.norms.append(float(norm))
+        factor = lr_factor(settings, lr_step)
+        updates = []  # (param, u, already applied)
+        for name, param in self.matrices:
+            grad, buffer, mu = param.grad, self.momentum[name], settings.momentum
+            buffer.mul_(mu).add_(grad, alpha=1 - mu)
+            m = (1 - mu) * grad + mu * buffer if settings.nesterov else buffer
+            lr = settings.lr * factor
+            scaled = lambda block: newton_schulz(block, settings.ns_steps) * 0.2 * math.sqrt(max(block.shape))
+            if name.endswith("wqkv.weight") and not self.whole_qkv:
+                orthogonal = merge_qkv([scaled(b) for b in qkv_blocks(m, self.head_dim)], self.head_dim)
+            else:
+                orthogonal = scaled(m)
+            updates.append((param, lr * (orthogonal + settings.weight_decay * param), False))
+        before = [p.detach().clone() for group in self.adamw.param_groups for p in group["params"]]
+        for group in self.adamw.param_groups:
+            group["lr"] = settings.adamw_lr * factor
+        self.adamw.step()
+        for old, param in zip(before, [p for group in self.adamw.param_groups for p in group["params"]]):
+            updates.append((param, old - param, True))
+        for param, update, applied in updates:
+            if not applied:
+                param.sub_(update)
+            if self.ef is not None:
+                if self.updates:
+                    param.sub_(self.ef * (update - self.previous[id(param)]))
+                self.previous[id(param)] = update
+        self.updates += 1
+        for param in self.params:
+            param.grad = None
 
 
 @dataclass
@@ -286,12 +368,14 @@ def one_thread(train):
 # --- PipeDream-2BW ---------------------------------------------------------------------------------
 
 @one_thread
-def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "exact") -> Result:
+def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "exact", **optimizer_options) -> Result:
     """W[k+1] = W[k] - Opt(grad f_k(W[k-1])), W[-1] = W[0]; each stage clips its own gradient.
-    Controls: "stale" applies the update to W[k-1]; "no_delay" takes the gradient at W[k]."""
+    Controls: "stale" applies the update to W[k-1]; "no_delay" takes the gradient at W[k];
+    `optimizer_options` (StageOptimizer's `error_feedback`, `whole_qkv`) change the optimizer."""
     model = build_model(settings)  # holds W[k]
     previous = copy.deepcopy(model)  # holds W[k-1]
-    optimizers = [StageOptimizer(params, settings) for params in stage_params(model)]
+    head_dim = settings.dim // settings.n_heads
+    optimizers = [StageOptimizer(named, settings, head_dim, **optimizer_options) for named in stage_params(model)]
     losses = {}
     for k, batch in enumerate(batches):
         at = model if variant == "no_delay" else previous
@@ -373,7 +457,7 @@ def paci(settings: Settings, batches: list[list[Microbatch]], drains: set[int], 
     a, m = settings.accumulation or settings.microbatches, settings.microbatches
     model = build_model(settings)
     stages = [Stage(model, 0), Stage(model, 1)]
-    optimizers = [StageOptimizer(params, settings) for params in stage_params(model)]
+    optimizers = [StageOptimizer(named, settings, settings.dim // settings.n_heads) for named in stage_params(model)]
     mixed = ForwardTimeValues(model)
     counts, updates = [0, 0], [0, 0]
     names = [name for name, _ in model.named_parameters() if stage_of(name) == 0]

@@ -25,8 +25,8 @@ SETTINGS = (*TINY, "training.local_batch_size=8", f"training.steps={STEPS}", "ch
             "validation.enable=false", "training.max_norm=0.1", "parallelism.pipeline_parallel_microbatch_size=1")
 
 
-def pipelined(run_dir: Path, *assignments: str) -> Path:
-    run_cli("train", "--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--nproc-per-node", "2", "--run-dir", str(run_dir),
+def pipelined(run_dir: Path, *assignments: str, config: str = "debug_cpu_pp2.toml") -> Path:
+    run_cli("train", "--config", str(CONFIGS / config), "--nproc-per-node", "2", "--run-dir", str(run_dir),
             *sets(*SETTINGS, *assignments), env={"TITAN_ASYNC_BATCH_LOG": str(run_dir / "batches")})
     return run_dir
 
@@ -51,11 +51,13 @@ def differences(run: Path, weights: dict[str, torch.Tensor], result: ref.Result,
 
 
 def assert_equal(found: dict[str, float]) -> None:
+    print("reference:", found)
     assert max(found.values()) < 1e-5, found
 
 
 def assert_different(found: dict[str, float]) -> None:
     """A control: far from the run, not within rounding of it."""
+    print("control:", found)
     assert found["loss"] > 1e-4 and found["weights"] > 1e-3, found
 
 
@@ -66,6 +68,22 @@ def test_2bw_equals_the_independent_reference(tmp_path):
     assert_equal(differences(run, weights, ref.two_bw(settings, batches), update_of_step))
     assert_different(differences(run, weights, ref.two_bw(settings, batches, variant="stale"), update_of_step))
     assert_different(differences(run, weights, ref.two_bw(settings, batches, variant="no_delay"), update_of_step))
+
+
+def test_2bw_with_muon_and_error_feedback_equals_the_independent_reference(tmp_path):
+    """Muon (Q, K and V of the fused wqkv orthogonalised apart) and AdamW, both under error
+    feedback with c = 1, as debug_cpu_pp2_2bw.toml configures them."""
+    run = pipelined(tmp_path / "run", config="debug_cpu_pp2_2bw.toml")
+    settings, batches, weights = reference_inputs(run)
+    assert settings.optimizer == "muon" and settings.error_feedback == 1.0
+    update_of_step = lambda step: step
+    assert_equal(differences(run, weights, ref.two_bw(settings, batches), update_of_step))
+    assert_different(differences(run, weights, ref.two_bw(settings, batches, error_feedback=False), update_of_step))
+    assert_different(differences(run, weights, ref.two_bw(settings, batches, whole_qkv=True), update_of_step))
+
+
+def test_the_independent_reference_imports_nothing_from_titan_async():
+    assert "titan_async" not in Path(ref.__file__).read_text()
 
 
 def test_paci_equals_the_independent_reference(tmp_path):
