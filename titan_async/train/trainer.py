@@ -44,6 +44,9 @@ from titan_async.train.synchronous_steps import SynchronousSteps
 from titan_async.train.verified_load import verify_loads
 
 
+BATCH_LOG_ENV = "TITAN_ASYNC_BATCH_LOG"
+
+
 class StopRequest:
     """Turns SIGINT/SIGTERM, or too many non-finite gradients, into a stop that all ranks
     see at the same step.
@@ -142,6 +145,23 @@ class AsyncTrainer(Trainer):
 
         self.save_hooks.after.append(after_save)
         return benchmarks
+
+    def batch_generator(self, data_iterable):
+        """torchtitan's batches; with `TITAN_ASYNC_BATCH_LOG=DIR` each rank also appends every batch
+        it hands to training (token ids, positions, labels) to DIR/rank<R>.jsonl, in the order
+        consumed: what the tests' independent reference trains on (tests/independent_reference.py)."""
+        batches = super().batch_generator(data_iterable)
+        folder = os.environ.get(BATCH_LOG_ENV)
+        if not folder:
+            yield from batches
+            return
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        path = Path(folder) / f"rank{dist.get_rank() if dist.is_initialized() else 0}.jsonl"
+        for input_dict, labels in batches:
+            record = {key: value.tolist() for key, value in input_dict.items()}
+            with open(path, "a") as f:
+                f.write(json.dumps({**record, "labels": labels.tolist()}) + "\n")
+            yield input_dict, labels
 
     def train_step(self, data_iterator) -> None:
         comm_log.note({"op": "step", "step": self.step})

@@ -1,0 +1,514 @@
+"""An independent reference trainer for PipeDream-2BW and PACI on a real (tiny) Llama model.
+
+The equality tests in test_schedules.py compare a pipelined run with titan-async's own
+`training.gradient_delay = 1` mode or its single-process emulation, which share the weight
+versions, executor and step code with the pipeline. This module shares none of it: it imports
+nothing from the titan-async package (its import name appears nowhere in this file; a test
+checks). What it takes from elsewhere:
+
+- the model: torchtitan's own Llama 3 modules (`Llama3Model`, built from the same sizes as the
+  run's resolved config.toml), with the per-document causal attention written out here (dense
+  SDPA under a mask built from the positions, where a position 0 starts a document);
+- the initial weights: drawn here by the published rule of the run (each parameter from its
+  torchtitan module's own initializer, under an RNG seeded by crc32(parameter name) XOR
+  (seed * 0x9E3779B1 mod 2^32)); a transcription, checked by the step-1 loss;
+- the batches: the token ids, positions and labels the run trained on, in the order it consumed
+  them, which the run writes when `TITAN_ASYNC_BATCH_LOG=DIR` is set (one JSON line per
+  microbatch, DIR/rank<R>.jsonl; a compromise: the data loader is not re-implemented here);
+- the optimizer: torch.optim.AdamW (fused, as configured), with torchtitan's warm-up/stable/decay
+  learning-rate factor transcribed, and each stage's gradient clipped on its own when it steps;
+- the stage boundaries: hard-coded for 2 stages of 4 layers, as torchtitan splits them
+  (stage 0: tok_embeddings, layers.0-1; stage 1: layers.2-3, norm, lm_head).
+
+Run under pytest, the process has also run the package's `platform.configure()` (conftest.py:
+it makes torchtitan pick the CPU and gloo; it changes no model or optimizer arithmetic).
+
+The rules, written out:
+- PipeDream-2BW: W[k+1] = W[k] - Opt(grad f_k(W[k-1])), W[-1] = W[0], with a deep copy of the
+  previous weights; `variant="stale"` (the control) writes the update into the stale version,
+  W[k+1] = W[k-1] - Opt(grad f_k(W[k-1])), and `variant="no_delay"` takes the gradient at W[k].
+- PACI: each stage steps after every `a` of its own backwards. Stage s keeps p-1-s microbatches
+  in flight (the stream drains after the steps in `drains`, where nothing stays in flight). A
+  backward combines the activations its forward saved (forward-time weights) with the weights
+  current at the backward: here each parameter-holding module of the stage is re-run at
+  backward time as op(x, W_now) + (op(x, W_forward) - op(x, W_now)).detach(), so its value is
+  the forward's and its local derivatives are taken at W_now, with x the forward-time input.
+  `late=1` (the control) steps one backward late.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import tomllib
+import zlib
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+from torchtitan.models.common.param_init import skip_param_init
+from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init
+from torchtitan.models.llama3.model import Llama3Model
+
+STAGES = (("tok_embeddings", "layers.0", "layers.1"), ("layers.2", "layers.3", "norm", "lm_head"))
+"""torchtitan's split of a 4-layer model into 2 stages (the input and output modules count as a layer each)."""
+
+
+# --- the run's settings, read from its resolved config.toml ---------------------------------
+
+@dataclass
+class Settings:
+    dim: int
+    n_layers: int
+    n_heads: int
+    vocab_size: int
+    rope_theta: float
+    seed: int
+    steps: int
+    local_batch_size: int
+    microbatch_size: int
+    max_norm: float
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    warmup_steps: int
+    decay_ratio: float
+    decay_type: str
+    min_lr_factor: float
+    accumulation: int | None
+    optimizer: str = "adamw"
+    adamw_lr: float = 0.0
+    """AdamW's peak lr (with Muon, optimizer.muon.adamw_lr; else optimizer.lr)."""
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    error_feedback: float | None = None
+    """The error-feedback coefficient c, None when off."""
+
+    @property
+    def microbatches(self) -> int:
+        return self.local_batch_size // self.microbatch_size
+
+
+def read_settings(run_dir: Path, vocab_size: int) -> Settings:
+    """The run's settings; only the shapes and values this reference supports are accepted."""
+    c = tomllib.loads((Path(run_dir) / "config.toml").read_text())
+    m, t, p, o, s = c["model"], c["training"], c["parallelism"], c["optimizer"], c["lr_scheduler"]
+    assert m["family"] == "llama3" and m["preset"] == "debugmodel" and m["n_kv_heads"] in (0, m["n_heads"])
+    assert m["multiple_of"] == -1 and m["ffn_dim_multiplier"] == -1.0 and m["float8"] == "none"
+    assert m["n_layers"] == 4 and p["pipeline_parallel_degree"] == 2, "the stage split is hard-coded for 2 stages of 4 layers"
+    assert t["dtype"] == "float32" and t.get("global_batch_size", -1) in (-1, t["local_batch_size"])
+    assert c["activation_checkpoint"]["mode"] == "none" and o["name"] in ("adamw", "muon")
+    muon, ef = o["muon"], o["error_feedback"]
+    if o["name"] == "muon":
+        assert muon["lr_scaling"] == "match_rms_adamw" and muon["ns_dtype"] in ("auto", "float32")
+    return Settings(
+        dim=m["dim"], n_layers=m["n_layers"], n_heads=m["n_heads"], vocab_size=vocab_size, rope_theta=m["rope_theta"],
+        seed=c["debug"]["seed"], steps=t["steps"], local_batch_size=t["local_batch_size"],
+        microbatch_size=p["pipeline_parallel_microbatch_size"], max_norm=t["max_norm"],
+        lr=o["lr"], betas=(o["beta1"], o["beta2"]), eps=o["eps"], weight_decay=o["weight_decay"],
+        warmup_steps=s["warmup_steps"], decay_ratio=s["decay_ratio"], decay_type=s["decay_type"],
+        min_lr_factor=s["min_lr_factor"], accumulation=p.get("paci", {}).get("accumulation"),
+        optimizer=o["name"], adamw_lr=muon["adamw_lr"] if o["name"] == "muon" else o["lr"], momentum=muon["momentum"],
+        nesterov=muon["nesterov"], ns_steps=muon["ns_steps"], error_feedback=ef["coefficient"] if ef["enabled"] else None,
+    )
+
+
+def drain_steps(run_dir: Path) -> set[int]:
+    """The steps after which the streaming run drained: checkpoints, validations and the last step."""
+    c = tomllib.loads((Path(run_dir) / "config.toml").read_text())
+    steps, checkpoint, validation = c["training"]["steps"], c["checkpoint"], c["validation"]
+    return {step for step in range(1, steps + 1)
+            if step == steps or (checkpoint["enable"] and (step % checkpoint["interval"] == 0
+                                                           or (step == 1 and checkpoint["enable_first_step_checkpoint"])))
+            or (validation["enable"] and (step == 1 or step % validation["freq"] == 0))}
+
+
+def lr_factor(settings: Settings, step: int) -> float:
+    """torchtitan's warm-up / stable / decay factor of scheduler step `step` (0-based)."""
+    total, warmup = settings.steps, min(settings.warmup_steps, settings.steps)
+    decay = min(round(total * settings.decay_ratio), total - warmup)
+    stable = total + 1 - warmup - decay
+    if step < warmup:
+        return (step + 1) / warmup
+    if step < warmup + stable:
+        return 1.0
+    progress = (step + 1 - warmup - stable) / decay
+    shape = {"linear": 1 - progress, "sqrt": 1 - math.sqrt(progress), "cosine": 0.5 * (1 + math.cos(math.pi * progress))}
+    return settings.min_lr_factor + (1 - settings.min_lr_factor) * shape[settings.decay_type]
+
+
+# --- the model ----------------------------------------------------------------------------------
+
+class DocumentCausalAttention(nn.Module):
+    """softmax(q k^T * scale + mask) v, where a query attends keys of its own document at or before it."""
+
+    def forward(self, q, k, v, *, attention_masks, scale=None, enable_gqa=False, **_):
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=attention_masks, scale=scale, enable_gqa=enable_gqa)
+        return out.transpose(1, 2)
+
+
+def document_mask(positions: torch.Tensor) -> torch.Tensor:
+    """[B, 1, L, L] boolean: same document (a position 0 starts one) and not in the future."""
+    document = torch.cumsum(positions == 0, dim=1)
+    seq_len = positions.shape[1]
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    return ((document.unsqueeze(2) == document.unsqueeze(1)) & causal).unsqueeze(1)
+
+
+def build_model(settings: Settings) -> nn.Module:
+    """torchtitan's Llama 3 at the run's sizes, with this module's attention, initialised by the run's rule."""
+    dim, heads, vocab = settings.dim, settings.n_heads, settings.vocab_size
+    config = Llama3Model.Config(
+        dim=dim, vocab_size=vocab, enable_weight_tying=False,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_output_linear_init(dim)),
+        layers=_build_llama3_layers(
+            fuse_qkv=True, n_layers=settings.n_layers, dim=dim, n_heads=heads, n_kv_heads=heads,
+            hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=256),
+            rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=131072, theta=settings.rope_theta, scaling="llama"),
+            attn_backend="varlen"),
+    )
+    model = config.build()
+    for layer in model.layers.values():
+        layer.attention.inner_attention = DocumentCausalAttention()
+    initialize(model, settings.seed)
+    return model
+
+
+@torch.no_grad()
+def initialize(model: nn.Module, seed: int) -> None:
+    """Each parameter from its module's initializer, the RNG seeded by its name and the run's seed."""
+    for module_name, module in model.named_modules():
+        initializers = getattr(module, "_param_init", None) or {}
+        for name, param in module.named_parameters(recurse=False):
+            if initializers.get(name, skip_param_init) is skip_param_init:
+                continue
+            full_name = f"{module_name}.{name}" if module_name else name
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(zlib.crc32(full_name.encode()) ^ (seed * 0x9E3779B1 % (1 << 32)))
+                tensor = torch.empty_like(param)
+                initializers[name](tensor)
+            param.copy_(tensor)
+
+
+def weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters as a checkpoint names them: torchtitan's state-dict hooks split the fused wqkv."""
+    buffers = {name for name, _ in model.named_buffers()}
+    return {name: t.detach().clone() for name, t in model.state_dict().items() if name not in buffers}
+
+
+def stage_of(name: str) -> int:
+    return next(s for s, modules in enumerate(STAGES) for m in modules if name == m or name.startswith(m + "."))
+
+
+def stage_params(model: nn.Module) -> list[list[tuple[str, nn.Parameter]]]:
+    """Each stage's (name, parameter) pairs."""
+    params: list[list[tuple[str, nn.Parameter]]] = [[] for _ in STAGES]
+    for name, param in model.named_parameters():
+        params[stage_of(name)].append((name, param))
+    return params
+
+
+# --- data -----------------------------------------------------------------------------------------
+
+@dataclass
+class Microbatch:
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    labels: torch.Tensor
+
+
+def read_batches(batch_log: Path, settings: Settings) -> list[list[Microbatch]]:
+    """The run's batches (rank 0's log; every rank logs the same), each cut into its microbatches."""
+    rows = [json.loads(line) for line in (Path(batch_log) / "rank0.jsonl").read_text().splitlines()]
+    tokens = torch.cat([torch.tensor(r["input"]) for r in rows])
+    positions = torch.cat([torch.tensor(r["positions"]) for r in rows])
+    labels = torch.cat([torch.tensor(r["labels"]) for r in rows])
+    n, b = settings.steps, settings.local_batch_size
+    assert tokens.shape[0] == n * b, (tokens.shape, n, b)
+    size = settings.microbatch_size
+    return [[Microbatch(tokens[i:i + size], positions[i:i + size], labels[i:i + size]) for i in range(t * b, (t + 1) * b, size)]
+            for t in range(n)]
+
+
+# --- losses, optimizers ----------------------------------------------------------------------------
+
+def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=-100)
+
+
+def valid_tokens(batch: list[Microbatch]) -> int:
+    return int(sum((mb.labels != -100).sum() for mb in batch))
+
+
+def newton_schulz(matrix: torch.Tensor, steps: int) -> torch.Tensor:
+    """Muon's orthogonalisation (Keller Jordan's published quintic): X = M / ||M||_F (the wide way
+    round), then `steps` times X <- a X + (b A + c A^2) X with A = X X^T, (a, b, c) = (3.4445, -4.7750, 2.0315)."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = matrix.T if matrix.shape[0] > matrix.shape[1] else matrix
+    x = x / x.norm().clamp(min=1e-7)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if matrix.shape[0] > matrix.shape[1] else x
+
+
+def qkv_blocks(matrix: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Q, K and V rows of torchtitan's fused wqkv (rows: per KV head, its query heads, then its key, then its
+    value, each head_dim rows), with one query head per KV head as in these runs."""
+    grouped = matrix.reshape(-1, 3, head_dim, matrix.shape[1])
+    return tuple(grouped[:, i].reshape(-1, matrix.shape[1]) for i in range(3))
+
+
+def merge_qkv(blocks, head_dim: int) -> torch.Tensor:
+    cols = blocks[0].shape[1]
+    return torch.stack([b.reshape(-1, head_dim, cols) for b in blocks], dim=1).reshape(-1, cols)
+
+
+class StageOptimizer:
+    """One stage's optimizers, stepped together: the stage's gradient clipped to max_norm on its
+    own, then AdamW (every parameter, or with Muon the embedding, head and non-matrices) and Muon
+    (the blocks' hidden matrices), each at its peak lr times the factor of scheduler step
+    `lr_step`, and error feedback when configured: w -= u_t + c (u_t - u_{t-1}) from the second
+    update on, u_t the optimizer's own update. `whole_qkv` (a control) orthogonalises the fused
+    wqkv as one matrix instead of its Q, K and V blocks."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], settings: Settings, head_dim: int = 0,
+                 error_feedback: bool = True, whole_qkv: bool = False) -> None:
+        self.settings, self.head_dim, self.whole_qkv = settings, head_dim, whole_qkv
+        self.params = [p for _, p in named]
+        self.ef = settings.error_feedback if error_feedback else None
+        muon = settings.optimizer == "muon"
+        self.matrices = [(n, p) for n, p in named if muon and p.ndim == 2 and n.startswith("layers.")]
+        others = [p for n, p in named if not any(p is q for _, q in self.matrices)]
+        self.adamw = torch.optim.AdamW(others, lr=settings.adamw_lr, betas=settings.betas, eps=settings.eps,
+                                       weight_decay=settings.weight_decay, fused=True)
+        self.momentum = {n: torch.zeros_like(p) for n, p in self.matrices}
+        self.previous = {id(p): torch.zeros_like(p) for p in self.params}
+        self.updates = 0
+        self.norms: list[float] = []
+
+    @torch.no_grad()
+    def step(self, lr_step: int) -> None:
+        settings = self.settings
+        norm = torch.nn.utils.clip_grad_norm_(self.params, settings.max_norm, foreach=True)
+        self.norms.append(float(norm))
+        factor = lr_factor(settings, lr_step)
+        updates = []  # (param, u, already applied)
+        for name, param in self.matrices:
+            grad, buffer, mu = param.grad, self.momentum[name], settings.momentum
+            buffer.mul_(mu).add_(grad, alpha=1 - mu)
+            m = (1 - mu) * grad + mu * buffer if settings.nesterov else buffer
+            lr = settings.lr * factor
+            scaled = lambda block: newton_schulz(block, settings.ns_steps) * 0.2 * math.sqrt(max(block.shape))
+            if name.endswith("wqkv.weight") and not self.whole_qkv:
+                orthogonal = merge_qkv([scaled(b) for b in qkv_blocks(m, self.head_dim)], self.head_dim)
+            else:
+                orthogonal = scaled(m)
+            updates.append((param, lr * (orthogonal + settings.weight_decay * param), False))
+        before = [p.detach().clone() for group in self.adamw.param_groups for p in group["params"]]
+        for group in self.adamw.param_groups:
+            group["lr"] = settings.adamw_lr * factor
+        self.adamw.step()
+        for old, param in zip(before, [p for group in self.adamw.param_groups for p in group["params"]]):
+            updates.append((param, old - param, True))
+        for param, update, applied in updates:
+            if not applied:
+                param.sub_(update)
+            if self.ef is not None:
+                if self.updates:
+                    param.sub_(self.ef * (update - self.previous[id(param)]))
+                self.previous[id(param)] = update
+        self.updates += 1
+        for param in self.params:
+            param.grad = None
+
+
+@dataclass
+class Result:
+    losses: dict[int, float]
+    """Step (1-based) -> the mean loss over the batch's tokens, as the run logs it."""
+    weights: dict[str, torch.Tensor]
+    """The weights after the last step, under their checkpoint names (the fused wqkv as wq, wk, wv)."""
+    norms: list[list[float]]
+    """Each stage's gradient norm before clipping, per update."""
+
+    def global_norm(self, update: int) -> float:
+        """The norm of update `update` (1-based) over the whole model: every stage's u-th update
+        applies the same microbatches."""
+        if not all(0 < update <= len(stage) for stage in self.norms):
+            return math.inf  # a control that made fewer updates
+        return math.sqrt(sum(stage[update - 1] ** 2 for stage in self.norms))
+
+
+def one_thread(train):
+    """Run `train` on one intra-op thread: on a busy 2-core machine this tiny model's matmuls take
+    milliseconds each on two threads and microseconds on one."""
+    @functools.wraps(train)
+    def wrapper(*args, **kwargs):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return train(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+    return wrapper
+
+
+# --- PipeDream-2BW ---------------------------------------------------------------------------------
+
+@one_thread
+def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "exact", **optimizer_options) -> Result:
+    """W[k+1] = W[k] - Opt(grad f_k(W[k-1])), W[-1] = W[0]; each stage clips its own gradient.
+    Controls: "stale" applies the update to W[k-1]; "no_delay" takes the gradient at W[k];
+    `optimizer_options` (StageOptimizer's `error_feedback`, `whole_qkv`) change the optimizer."""
+    model = build_model(settings)  # holds W[k]
+    previous = copy.deepcopy(model)  # holds W[k-1]
+    head_dim = settings.dim // settings.n_heads
+    optimizers = [StageOptimizer(named, settings, head_dim, **optimizer_options) for named in stage_params(model)]
+    losses = {}
+    for k, batch in enumerate(batches):
+        at = model if variant == "no_delay" else previous
+        at.zero_grad()
+        n, total = valid_tokens(batch), 0.0
+        for mb in batch:
+            loss = summed_loss(at(mb.tokens, positions=mb.positions, attention_masks=document_mask(mb.positions)), mb.labels) / n
+            loss.backward()
+            total += loss.item()
+        losses[k + 1] = total
+        latest = copy.deepcopy(model.state_dict())
+        if variant == "stale":
+            model.load_state_dict(previous.state_dict())
+        for param, source in zip(model.parameters(), at.parameters()):
+            param.grad = source.grad.clone()
+        for optimizer in optimizers:
+            optimizer.step(k)
+        previous.load_state_dict(latest)
+    return Result(losses, weights(model), [o.norms for o in optimizers])
+
+
+# --- PACI -------------------------------------------------------------------------------------------
+
+class Stage(nn.Module):
+    """The modules of one stage of the 2-stage split, run in sequence."""
+
+    def __init__(self, model: nn.Module, index: int) -> None:
+        super().__init__()
+        self.model, self.index = model, index
+
+    def forward(self, x, positions):
+        mask = document_mask(positions)
+        m = self.model
+        if self.index == 0:
+            x = m.tok_embeddings(x)
+        for name in ("0", "1") if self.index == 0 else ("2", "3"):
+            x = m.layers[name](x, mask, positions)
+        if self.index == 1:
+            x = m.lm_head(m.norm(x))
+        return x
+
+
+class ForwardTimeValues:
+    """While active, every parameter-holding module under `root` returns the value it had with
+    the weights `snapshot` (name -> tensor, taken at the forward) but differentiates at its
+    current weights: out_now + (out_then - out_now).detach()."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.snapshot: dict[str, torch.Tensor] | None = None
+        self.inside = False
+        self.handles = []
+        for prefix, module in root.named_modules():
+            own = [name for name, _ in module.named_parameters(recurse=False)]
+            if own:
+                keys = {name: f"{prefix}.{name}" if prefix else name for name in own}
+                self.handles.append(module.register_forward_hook(self._hook(keys), with_kwargs=True))
+
+    def _hook(self, keys: dict[str, str]):
+        def hook(module, args, kwargs, output):
+            if self.snapshot is None or self.inside:
+                return None
+            self.inside = True
+            try:
+                then = functional_call(module, {name: self.snapshot[key] for name, key in keys.items()}, args, kwargs)
+            finally:
+                self.inside = False
+            return output + (then - output).detach()
+        return hook
+
+
+@one_thread
+def paci(settings: Settings, batches: list[list[Microbatch]], drains: set[int], late: int = 0,
+         backward_weights: str = "current") -> Result:
+    """PACI on 2 stages: stage s keeps 1 - s microbatches in flight and steps after every `a` of
+    its backwards, the stream drained after the steps in `drains`. Update u of a stage runs at
+    the lr of scheduler step floor((u - 1) a / m). Controls: `late` steps that many backwards
+    later; `backward_weights="forward"` runs a backward that crossed a local step at the
+    forward's weights (a stash, as PipeDream keeps), not the current ones."""
+    a, m = settings.accumulation or settings.microbatches, settings.microbatches
+    model = build_model(settings)
+    stages = [Stage(model, 0), Stage(model, 1)]
+    optimizers = [StageOptimizer(named, settings, settings.dim // settings.n_heads) for named in stage_params(model)]
+    mixed = ForwardTimeValues(model)
+    counts, updates = [0, 0], [0, 0]
+    names = [name for name, _ in model.named_parameters() if stage_of(name) == 0]
+
+    def after_backward(stage: int) -> None:
+        counts[stage] += 1
+        if counts[stage] >= a + late and (counts[stage] - late) % a == 0:
+            optimizers[stage].step(updates[stage] * a // m)
+            updates[stage] += 1
+
+    in_flight: list[tuple[int, dict, torch.Tensor, Microbatch]] = []  # stage 0's: (index, weights then, output grad, microbatch)
+
+    def stage0_backward() -> None:
+        _, then, grad, mb = in_flight.pop(0)
+        state = {n: p for n, p in model.named_parameters()}
+        same = all(torch.equal(then[n], state[n]) for n in names)
+        if same or backward_weights == "current":
+            mixed.snapshot = None if same else then
+            try:
+                out = stages[0](mb.tokens, mb.positions)
+            finally:
+                mixed.snapshot = None
+            out.backward(grad)
+        else:  # the control: forward and backward at the forward's weights, the gradient kept
+            now = {n: state[n].detach().clone() for n in names}
+            with torch.no_grad():
+                for n in names:
+                    state[n].copy_(then[n])
+            stages[0](mb.tokens, mb.positions).backward(grad)
+            with torch.no_grad():
+                for n in names:
+                    state[n].copy_(now[n])
+        after_backward(0)
+
+    losses = {}
+    for t, batch in enumerate(batches):
+        n, total = valid_tokens(batch), 0.0
+        for mb in batch:
+            then = {name: p.detach().clone() for name, p in model.named_parameters() if stage_of(name) == 0}
+            with torch.no_grad():
+                h = stages[0](mb.tokens, mb.positions)
+            h = h.detach().requires_grad_(True)
+            loss = summed_loss(stages[1](h, mb.positions), mb.labels) / n
+            loss.backward()
+            total += loss.item()
+            after_backward(1)
+            in_flight.append((t, then, h.grad, mb))
+            while len(in_flight) > 1:  # stage 0 keeps one microbatch in flight
+                stage0_backward()
+        losses[t + 1] = total
+        if t + 1 in drains:
+            while in_flight:
+                stage0_backward()
+    return Result(losses, weights(model), [o.norms for o in optimizers])

@@ -1,0 +1,101 @@
+"""The pipelined PipeDream-2BW and PACI runs (CLI, PP 2 on 2 gloo processes, the tiniest model)
+against `independent_reference.py`, which imports nothing from titan_async: torchtitan's Llama
+modules, torch's AdamW and the rules written out. The run writes the batches it trains on
+(`TITAN_ASYNC_BATCH_LOG`); the reference draws the initial weights itself. Per-step losses,
+the logged global gradient norms and the final weights must agree to 1e-5 relative, and each
+test's controls (a plausible wrong rule) must not.
+
+`training.max_norm = 0.1` makes the last stage clip (its gradient norm is about 0.3) while the
+first does not (about 0.05): a global clip would differ. The checkpoint at step 3 drains the
+stream mid-run."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import independent_reference as ref
+from conftest import CONFIGS, TINY, checkpoint_weights, metrics, run_cli, sets
+
+STEPS = 6
+SETTINGS = (*TINY, "training.local_batch_size=8", f"training.steps={STEPS}", "checkpoint.interval=3",
+            "validation.enable=false", "training.max_norm=0.1", "parallelism.pipeline_parallel_microbatch_size=1")
+
+
+def pipelined(run_dir: Path, *assignments: str, config: str = "debug_cpu_pp2.toml") -> Path:
+    run_cli("train", "--config", str(CONFIGS / config), "--nproc-per-node", "2", "--run-dir", str(run_dir),
+            *sets(*SETTINGS, *assignments), env={"TITAN_ASYNC_BATCH_LOG": str(run_dir / "batches")})
+    return run_dir
+
+
+def reference_inputs(run: Path):
+    weights = checkpoint_weights(run / "checkpoint" / f"step-{STEPS}")
+    settings = ref.read_settings(run, vocab_size=weights["tok_embeddings.weight"].shape[0])
+    return settings, ref.read_batches(run / "batches", settings), weights
+
+
+def differences(run: Path, weights: dict[str, torch.Tensor], result: ref.Result, update_of_step) -> dict[str, float]:
+    """The largest relative difference of the per-step losses, logged global gradient norms and
+    final weights (norm of the difference over the run's norm, per tensor) from `result`."""
+    logged = metrics(run)
+    assert sorted(logged) == sorted(result.losses) == list(range(1, STEPS + 1))
+    assert result.weights.keys() == weights.keys() and len(weights) > 10
+    return {
+        "loss": max(abs(result.losses[s] / logged[s]["loss_metrics/global_avg_loss"] - 1) for s in logged),
+        "grad_norm": max(abs(result.global_norm(update_of_step(s)) / logged[s]["grad_norm"] - 1) for s in logged),
+        "weights": max(float((result.weights[k] - weights[k]).norm() / weights[k].norm()) for k in weights),
+    }
+
+
+def assert_equal(found: dict[str, float]) -> None:
+    print("reference:", found)
+    assert max(found.values()) < 1e-5, found
+
+
+def assert_different(found: dict[str, float]) -> None:
+    """A control: far from the run, not within rounding of it."""
+    print("control:", found)
+    assert found["loss"] > 1e-4 and found["weights"] > 1e-3, found
+
+
+def test_2bw_equals_the_independent_reference(tmp_path):
+    run = pipelined(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PipeDream2BW")
+    settings, batches, weights = reference_inputs(run)
+    update_of_step = lambda step: step  # the row of step t waits for the update that applies batch t - 1
+    assert_equal(differences(run, weights, ref.two_bw(settings, batches), update_of_step))
+    assert_different(differences(run, weights, ref.two_bw(settings, batches, variant="stale"), update_of_step))
+    assert_different(differences(run, weights, ref.two_bw(settings, batches, variant="no_delay"), update_of_step))
+
+
+def test_2bw_with_muon_and_error_feedback_equals_the_independent_reference(tmp_path):
+    """Muon (Q, K and V of the fused wqkv orthogonalised apart) and AdamW, both under error
+    feedback with c = 1, as debug_cpu_pp2_2bw.toml configures them."""
+    run = pipelined(tmp_path / "run", config="debug_cpu_pp2_2bw.toml")
+    settings, batches, weights = reference_inputs(run)
+    assert settings.optimizer == "muon" and settings.error_feedback == 1.0
+    update_of_step = lambda step: step
+    assert_equal(differences(run, weights, ref.two_bw(settings, batches), update_of_step))
+    assert_different(differences(run, weights, ref.two_bw(settings, batches, error_feedback=False), update_of_step))
+    assert_different(differences(run, weights, ref.two_bw(settings, batches, whole_qkv=True), update_of_step))
+
+
+def test_the_independent_reference_imports_nothing_from_titan_async():
+    assert "titan_async" not in Path(ref.__file__).read_text()
+
+
+def test_paci_equals_the_independent_reference(tmp_path):
+    """a = 3 of m = 8 microbatches: each stage steps inside batches, at different moments on the
+    two stages, and stage 0's microbatch in flight crosses a local step every third microbatch
+    (not after the drain at step 3)."""
+    a, m = 3, 8
+    run = pipelined(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PACI", f"parallelism.paci.accumulation={a}")
+    settings, batches, weights = reference_inputs(run)
+    drains = ref.drain_steps(run)
+    assert drains == {3, STEPS}
+    update_of_step = lambda step: step * m // a  # the last update whose microbatches all belong to batches up to t - 1
+    assert_equal(differences(run, weights, ref.paci(settings, batches, drains), update_of_step))
+    assert_different(differences(run, weights, ref.paci(settings, batches, drains, late=1), update_of_step))
+    assert_different(differences(run, weights, ref.paci(settings, batches, drains, backward_weights="forward"), update_of_step))
