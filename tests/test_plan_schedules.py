@@ -3,6 +3,7 @@ each simulated schedule's peak memory, and Muon's exchange charged to the optimi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,7 +13,6 @@ from conftest import CONFIGS, cli_in_process
 from titan_async.commands.plan.estimate import Cluster, estimate
 from titan_async.commands.plan.memory import held_microbatches
 from titan_async.commands.plan.render import _plain, _simulation_table
-from titan_async.commands.plan.schedule_memory import with_schedule
 from titan_async.commands.plan.simulate import SimulationOptions, rank_costs
 from titan_async.config.run_config import load_run_config
 from titan_async.optim.muon_cost import stage_costs
@@ -22,6 +22,11 @@ from titan_async.pipeline.schedules import register
 pytestmark = pytest.mark.filterwarnings("ignore:DTensor random operators")
 TEN_B = CONFIGS / "10b_2bw_muon.toml"
 CLUSTER = Cluster(8, 8, 80 * 2**30)
+
+
+def with_schedule(run, name: str):
+    """`run` with only its pipeline schedule changed."""
+    return dataclasses.replace(run, parallelism=dataclasses.replace(run.parallelism, pipeline_parallel_schedule=name))
 
 
 def torch_in_flight(schedule: str, ranks: int, microbatches: int) -> list[int]:
