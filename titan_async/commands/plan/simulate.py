@@ -101,7 +101,8 @@ def _links(options: SimulationOptions) -> tuple[Link, Link]:
 
 
 def _stage_costs(run: RunConfig, layout: Layout, model: torch.nn.Module, setup: Setup) -> list[StageCost]:
-    """`muon_cost.stage_costs` of every stage of `layout`, per microbatch, over the Muon group."""
+    """`muon_cost.stage_costs` of every stage of `layout` over the Muon group: training FLOPs of one
+    microbatch, Newton-Schulz FLOPs and received bytes of the busiest owner per optimizer step."""
     return stage_costs(
         route_parameters(model), layout.stage_modules, fsdp=setup.muon_group, ns_steps=setup.ns_steps,
         ns_dtype=getattr(torch, setup.ns_dtype), state_bytes=setup.param_bytes,
