@@ -376,15 +376,17 @@ def one_f_one_b(ranks: int, microbatches: int) -> dict[int, list[_Action]]:
             for s in range(ranks)}
 
 
-def torch_order(name: str, ranks: int, microbatches: int) -> dict[int, list[_Action]]:
+def torch_order(name: str, ranks: int, microbatches: int, stages_per_rank: int | None = None) -> dict[int, list[_Action]]:
     """Rank -> compute actions of one flush of torch's schedule `name` as torch builds them (its
-    schedule visualizer's helper, on mock stages; multi-stage schedules get 2 stages per rank),
-    1F1B from `one_f_one_b`. torch's error, or `check_order`'s, when it cannot be built for p, m."""
+    schedule visualizer's helper, on mock stages; multi-stage schedules get `stages_per_rank`
+    stages per rank, by default 2), 1F1B from `one_f_one_b`. torch's error, or `check_order`'s,
+    when it cannot be built for p, m."""
     if name == "1F1B":
         return one_f_one_b(ranks, microbatches)
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
-    order = {rank: compute_actions(actions) for rank, actions in enumerate(get_schedule_ops(name, ranks, microbatches))}
+    ops = get_schedule_ops(name, ranks, microbatches, stages_per_rank)
+    order = {rank: compute_actions(actions) for rank, actions in enumerate(ops)}
     check_order(order, microbatches)
     return order
 

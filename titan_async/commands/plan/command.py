@@ -19,8 +19,9 @@ from titan_async.commands.plan.estimate import (
     mixture_of_experts,
 )
 from titan_async.commands.plan.memory import compare_schedules, gib
-from titan_async.commands.plan.render import advice_text, print_plan
 from titan_async.commands.plan.balance import balanced_split, gains, with_split
+from titan_async.commands.plan.render import advice_text, print_plan
+from titan_async.commands.plan.schedule_memory import schedule_memory
 from titan_async.commands.plan.simulate import SimulationOptions, simulate_plan
 from titan_async.config.run_config import RunConfig
 from titan_async.core.errors import UserError
@@ -30,8 +31,8 @@ from titan_async.pipeline.schedules import SCHEDULE_NAMES, register as register_
 def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True, simulation: SimulationOptions | None = None) -> dict[str, Any]:
     """Everything `plan` reports, as one JSON-ready object; with `gpu` False its memory is that of
     CPU processes (gloo, CPU Newton-Schulz dtype) in place of the cluster's GPUs; with
-    `simulation`, each schedule simulated on the cluster under "simulation". The dry run builds
-    the layout only where `train` would start it."""
+    `simulation`, each schedule simulated on the cluster under "simulation", with its peak memory
+    (`schedule_memory`). The dry run builds the layout only where `train` would start it."""
     check_world_size(run, cluster)
     _check_mixture_of_experts(run)
     name = run.parallelism.pipeline_parallel_schedule
@@ -62,7 +63,8 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True, simulation: Si
     sizes = run.model.resolved(vocab)
     t = run.training
     tokens_per_step = t.local_batch_size * t.seq_len * run.data_parallel_degree(cluster.world_size) * layout.accumulation_steps
-    simulated = simulation and simulate_plan(run, layout, model.module, shapes, setup, cluster, simulation, tokens_per_step)
+    simulated = simulation and simulate_plan(run, layout, model.module, shapes, setup, cluster, simulation, tokens_per_step,
+                                             schedule_memory(run, cluster, planned, list(SCHEDULE_NAMES), gpu))
     schedules = compare_schedules(layout.pipeline_stages(), layout.microbatches, layout.accumulation_steps)
     for entry in schedules:
         entry["selected"] = entry["name"].lower() == layout.schedule.lower() and layout.pipeline_stages() > 1

@@ -22,8 +22,10 @@ from titan_async.commands.plan.memory import (
     expert_newton_schulz,
     fsdp_traffic_bytes,
     held_microbatches,
+    microbatch_activation_bytes,
     parse_size,
     rank_memory,
+    stage_input_bytes,
     tp_traffic_bytes,
     window_microbatches,
     windows_per_step,
@@ -36,6 +38,7 @@ from titan_async.optim.newton_schulz import resolve_dtype
 from titan_async.optim.routing import route_parameters
 from titan_async.pipeline.load_balance import BIAS
 from titan_async.pipeline.config import accumulation_steps
+from titan_async.pipeline.in_flight import rank_chunks
 from titan_async.pipeline.schedules import SchedulePipeDream2BW, streaming_schedule
 from titan_async.pipeline.split import split_stages
 
@@ -265,15 +268,22 @@ def make_setup(run: RunConfig, layout: Layout, vocab: int, gpu: bool = True) -> 
     )
 
 
-def _held(layout: Layout, rank: int) -> list[float]:
-    """Microbatches held in flight on each stage of pipeline rank `rank`."""
+def _held(layout: Layout, rank: int, shapes: list[StageShape], setup: Setup) -> list[float]:
+    """Microbatches held in flight on each stage of pipeline rank `rank`: under torch's
+    schedules each stage's chunks at the point of the rank's action list where the bytes they
+    keep (`microbatch_activation_bytes` + `stage_input_bytes`) peak (`pipeline.in_flight`);
+    under the streaming ones `held_microbatches` (one stage per rank)."""
     stages = layout.rank_stages[rank]
     if layout.emulated:
         return [min(layout.window, len(stages) - s) for s in stages]
     if layout.pp == 1:
         return [1.0]
-    total = held_microbatches(layout.schedule, rank, layout.pp, layout.window, len(stages))
-    return [total / len(stages)] * len(stages)
+    if layout.streaming:
+        total = held_microbatches(layout.schedule, rank, layout.pp, layout.window, len(stages))
+        return [total / len(stages)] * len(stages)
+    weights = {i: microbatch_activation_bytes(shapes[i], setup) + stage_input_bytes(shapes[i], 1, setup) for i in stages}
+    chunks = rank_chunks(layout.schedule, rank, layout.pp, layout.window, len(stages), weights)
+    return [float(chunks[i]) for i in stages]
 
 
 def estimate_ranks(layout: Layout, shapes: list[StageShape], setup: Setup, cluster: Cluster) -> list[dict[str, Any]]:
@@ -282,7 +292,7 @@ def estimate_ranks(layout: Layout, shapes: list[StageShape], setup: Setup, clust
     rows = []
     for rank, indices in enumerate(layout.rank_stages):
         stages = [shapes[i] for i in indices]
-        held = _held(layout, rank)
+        held = _held(layout, rank, shapes, setup)
         memory = rank_memory(stages, held, setup, layout.schedule, rank, layout.pp, layout.emulated)
         memory = {key: round(value) for key, value in memory.items()}
         rows.append({
@@ -319,6 +329,12 @@ def estimate(run: RunConfig, cluster: Cluster, gpu: bool = True) -> Estimate:
     from the config and a meta-device model only: nothing is allocated."""
     vocab = resolve_vocab_size(run)
     model = build_meta_model(run, vocab, fsdp=not plain_parameters(run, cluster.world_size))
+    return estimate_model(run, cluster, vocab, model, gpu)
+
+
+def estimate_model(run: RunConfig, cluster: Cluster, vocab: int, model: MetaModel, gpu: bool = True) -> Estimate:
+    """`estimate` of `run` with its meta model already built (`model`, for vocabulary `vocab`):
+    the layout, stages and memory as `run`'s parallelism section splits them."""
     layout = make_layout(run, cluster, model.spec.model)
     setup = make_setup(run, layout, vocab, gpu)
     shapes = stage_shapes(model.module, layout.stage_modules, run.parallelism.tensor_parallel_degree)

@@ -72,6 +72,7 @@ import torch
 
 from titan_async.optim.full_matrix import assign_owners
 from titan_async.optim.newton_schulz import flops, gram_form
+from titan_async.pipeline.in_flight import rank_chunks
 
 STATE_COMPONENTS = ("weights", "expert_weights", "weight_versions", "gradients", "optimizer", "error_feedback")
 TRANSPORT_COMPONENTS = ("p2p_buffers", "stage_inputs", "nccl_buffers")
@@ -84,8 +85,6 @@ NCCL_P2P_CHANNELS = 2
 COMPARED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "PipeDream2BW", "PACI")
 """Schedules whose predicted bubble `plan` prints for every config."""
 INTERLEAVED_CHUNKS = 2
-FILL_DRAIN_SCHEDULES = {"gpipe", "loopedbfs"}
-"""Schedules that run every forward of a step before its first backward."""
 STREAMING_SCHEDULES = {"pipedream2bw", "paci"}
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -380,16 +379,16 @@ def transient_activation_bytes(stages: list[StageShape], setup: Setup) -> float:
 def held_microbatches(schedule: str, rank: int, ranks: int, microbatches: int, stages_per_rank: int) -> int:
     """Microbatches (chunks, with several stages per rank) a pipeline rank holds at its peak.
 
-    GPipe/LoopedBFS: all of them. 1F1B and the streaming schedules: min(m, p - rank).
-    Interleaved schedules (torch's warm-up): min(m v, (v - 1) p + 2 (p - 1 - rank) + 1).
+    torch's schedules: counted on the action lists torch builds (`pipeline.in_flight`: +1 at
+    each F, -1 at the B or W that frees it), which gives GPipe/LoopedBFS all m v of them, 1F1B
+    min(m, p - rank) and Interleaved1F1B min(m v, (v - 1) p + 2 (p - 1 - rank) + 1) (torch's
+    warm-up), and the zero-bubble and V-shaped schedules what their lists hold (at p = 8, m = 32:
+    ZBVZeroBubble 16 and DualPipeV 17 on every rank, InterleavedZeroBubble 16, its W running
+    late). The streaming schedules: min(m, p - rank).
     """
-    name = schedule.lower()
-    if name in FILL_DRAIN_SCHEDULES:
-        return microbatches * stages_per_rank
-    if stages_per_rank == 1:
+    if schedule.lower() in STREAMING_SCHEDULES:
         return min(microbatches, ranks - rank)
-    v = stages_per_rank
-    return min(microbatches * v, (v - 1) * ranks + 2 * (ranks - 1 - rank) + 1)
+    return sum(rank_chunks(schedule, rank, ranks, microbatches, stages_per_rank).values())
 
 
 def transport_bytes(schedule: str, rank: int, ranks: int, setup: Setup) -> float:

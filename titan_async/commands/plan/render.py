@@ -169,21 +169,31 @@ def _moe_table(plan: dict[str, Any]) -> Table:
     return table
 
 
+def _peak(schedule: dict[str, Any], gpu_memory: int) -> str:
+    """A simulated schedule's peak memory per GPU (GiB) and pipeline rank, "NO" past `gpu_memory`."""
+    memory = schedule.get("memory")
+    if not memory:
+        return "-"
+    return f"{gib(memory['peak_bytes']):.1f} (pp {memory['pp_rank']}){'' if memory['fits'] else ' NO'}"
+
+
 def _simulation_table(plan: dict[str, Any]) -> Table:
     layout = plan["layout"]
     return Table(
         f"Simulated schedules (p = {layout['pipeline_parallel']} ranks, m = {layout['microbatches']} microbatches per flush, "
         f"{layout['tokens_per_step']:,} tokens per step; bubble: idle share of the busiest rank, and its mean over ranks, "
-        "which adds the stages' imbalance; ratios: tokens/s over theirs)",
-        ["schedule", "bubble", "mean", "vs 1F1B", "vs best sync", "tokens/s", "step (s)", ""],
+        "which adds the stages' imbalance; ratios: tokens/s over theirs; peak GiB: memory per GPU of the busiest pipeline "
+        f"rank, NO past {gib(plan['gpu_memory_bytes']):g} GiB)",
+        ["schedule", "bubble", "mean", "vs 1F1B", "vs best sync", "tokens/s", "step (s)", "peak GiB", ""],
         [[s["name"], f"{min(s['bubble']):.1%}", f"{sum(s['bubble']) / len(s['bubble']):.1%}", f"{s['vs_1f1b']:.3f}x",
           f"{s['vs_best_synchronous']:.3f}x", f"{s['tokens_per_second']:,.0f}", f"{s['step_seconds']:.3f}",
-          "<- this config" if s["selected"] else ""] for s in plan["simulation"]["schedules"]],
+          _peak(s, plan["gpu_memory_bytes"]), "<- this config" if s["selected"] else ""] for s in plan["simulation"]["schedules"]],
     )
 
 
 def _simulation_notes(simulation: dict[str, Any]) -> list[str]:
     return ([f"not simulated: {name}: {why}" for name, why in simulation["skipped"].items()]
+            + [f"memory not estimated: {s['name']}: {s['memory_note']}" for s in simulation["schedules"] if s.get("memory_note")]
             + [f"assumed: {line}" for line in simulation["assumptions"]])
 
 

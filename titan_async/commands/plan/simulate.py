@@ -19,7 +19,9 @@ rank gives each 1/v):
 - optimizer step: Muon's Newton-Schulz FLOPs on the busiest rank of the stage's Muon group
   (MoE: `memory.expert_newton_schulz`, each expert's matrix on its own) at the same MFU, plus
   the element-wise update (ELEMENTWISE_PASSES passes over the rank's weight shard in the
-  parameter dtype, 2 more with error feedback) at HBM_BYTES_PER_S.
+  parameter dtype, 2 more with error feedback) at HBM_BYTES_PER_S, plus Muon's gather and
+  scatter of its busiest owner over the link the Muon group spans, not overlapped
+  (`muon_exchange_seconds`), the same for every schedule.
 - messages between stages: the stage-boundary tensor of one microbatch on one GPU (tokens x
   dim in the compute dtype), over the intra-node link when both pipeline ranks' first GPUs are
   on one node, else the inter-node link.
@@ -50,7 +52,7 @@ from titan_async.commands.plan.memory import (
 )
 from titan_async.config.run_config import RunConfig, load_run_config
 from titan_async.core.errors import UserError
-from titan_async.optim.muon_cost import stage_costs
+from titan_async.optim.muon_cost import StageCost, stage_costs
 from titan_async.optim.routing import route_parameters
 from titan_async.pipeline.config import accumulation_steps, microbatches
 from titan_async.pipeline.schedules import SCHEDULE_NAMES, STREAMING_SCHEDULES, streaming_schedule
@@ -98,17 +100,46 @@ def _links(options: SimulationOptions) -> tuple[Link, Link]:
     return Link(INTRA_NODE_LATENCY, options.intra_node_gbps * 1e9), Link(INTER_NODE_LATENCY, options.inter_node_gbps * 1e9)
 
 
+def _stage_costs(run: RunConfig, layout: Layout, model: torch.nn.Module, setup: Setup) -> list[StageCost]:
+    """`muon_cost.stage_costs` of every stage of `layout` over the Muon group: training FLOPs of one
+    microbatch, Newton-Schulz FLOPs and received bytes of the busiest owner per optimizer step."""
+    return stage_costs(
+        route_parameters(model), layout.stage_modules, fsdp=setup.muon_group, ns_steps=setup.ns_steps,
+        ns_dtype=getattr(torch, setup.ns_dtype), state_bytes=setup.param_bytes,
+        tokens=run.parallelism.pipeline_parallel_microbatch_size * run.training.seq_len,
+        seq_len=run.training.seq_len, dim=setup.dim,
+    )
+
+
+def muon_link(setup: Setup, cluster: Cluster, options: SimulationOptions) -> Link:
+    """The link Muon's exchange crosses: intra-node when its group (FSDP x CP x TP ranks of one
+    pipeline rank, consecutive ranks) fits on a node, else inter-node."""
+    intra, inter = _links(options)
+    return intra if setup.muon_group <= cluster.gpus_per_node else inter
+
+
+def muon_exchange_seconds(run: RunConfig, layout: Layout, stages: list[StageCost], setup: Setup, cluster: Cluster,
+                          options: SimulationOptions) -> tuple[float, ...]:
+    """Per pipeline rank, the seconds of Muon's gather and scatter in each optimizer step: what
+    the busiest owner of each of its stages' Muon groups receives (`StageCost.received_bytes`:
+    the other shards of the matrices it owns, then its own rows of the others' results) over
+    `muon_link`'s bandwidth, summed over the rank's stages, not overlapped with anything (the
+    Newton-Schulz iteration needs the gathered matrix and the update the scattered rows); the
+    latency is left out. 0 for every rank under AdamW or with whole matrices (a group of 1)."""
+    if run.optimizer.name != "muon":
+        return (0.0,) * layout.pp
+    bandwidth = muon_link(setup, cluster, options).bandwidth
+    return tuple(sum(stages[i].received_bytes for i in indices) / bandwidth for indices in layout.rank_stages)
+
+
 def rank_costs(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes: list[StageShape], setup: Setup,
                cluster: Cluster, options: SimulationOptions) -> Costs:
     """The simulation's costs of every pipeline rank of `layout` (module docstring)."""
     p = run.parallelism
     split = setup.tp * p.context_parallel_degree
     tokens = p.pipeline_parallel_microbatch_size * run.training.seq_len
-    stages = stage_costs(
-        route_parameters(model), layout.stage_modules, fsdp=setup.muon_group, ns_steps=setup.ns_steps,
-        ns_dtype=getattr(torch, setup.ns_dtype), state_bytes=setup.param_bytes,
-        tokens=tokens, seq_len=run.training.seq_len, dim=setup.dim,
-    )
+    stages = _stage_costs(run, layout, model, setup)
+    exchange_seconds = muon_exchange_seconds(run, layout, stages, setup, cluster, options)
     muon = run.optimizer.name == "muon"
     passes = ELEMENTWISE_PASSES + 2 * setup.error_feedback
     intra, inter = _links(options)
@@ -131,7 +162,8 @@ def rank_costs(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes: l
         else:
             newton_schulz = sum(stages[i].newton_schulz_flops for i in indices)
         local = sum(s.params for s in mine) / (setup.weight_shards * setup.tp)
-        optimizer.append(newton_schulz / options.flops_per_s + passes * local * setup.param_bytes / HBM_BYTES_PER_S)
+        optimizer.append(newton_schulz / options.flops_per_s + passes * local * setup.param_bytes / HBM_BYTES_PER_S
+                         + exchange_seconds[rank])
     gpus = layout.gpus_per_pp_rank(cluster.world_size)
     return Costs(
         tuple(forward), tuple(backward), tuple(optimizer),
@@ -190,9 +222,12 @@ def rank_collectives(name: str, layout: Layout, shapes: list[StageShape], setup:
 
 
 def simulate_plan(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes: list[StageShape], setup: Setup,
-                  cluster: Cluster, options: SimulationOptions, tokens_per_step: int) -> dict[str, Any]:
+                  cluster: Cluster, options: SimulationOptions, tokens_per_step: int,
+                  memory: dict[str, dict[str, Any] | str] | None = None) -> dict[str, Any]:
     """The "simulation" part of a plan: every schedule's step time, tokens/s, per-rank bubble and
-    ratios, the schedules torch could not build, and the assumptions in words."""
+    ratios, the schedules torch could not build, and the assumptions in words. With `memory`
+    (`schedule_memory.schedule_memory`), each schedule's row carries its busiest rank's memory
+    under "memory" (None, and why under "memory_note", where it could not be estimated)."""
     if layout.pp < 2:
         raise UserError(f"{run.source}: --simulate needs parallelism.pipeline_parallel_degree >= 2")
     if layout.microbatches < layout.pp:
@@ -223,12 +258,34 @@ def simulate_plan(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes
         "collective_seconds": seconds[row.result.name],
         "streaming": row.result.name in STREAMING_SCHEDULES,
         "selected": row.result.name.lower() == layout.schedule.lower(),
+        **_memory_of(memory, row.result.name),
     } for row in rows]
-    assumptions = traced_assumptions(options.costs_from, costs) if options.costs_from else flop_assumptions(options, costs, seconds)
+    if options.costs_from:
+        assumptions = traced_assumptions(options.costs_from, costs)
+    else:
+        exchange = muon_exchange_seconds(run, layout, _stage_costs(run, layout, model, setup), setup, cluster, options)
+        assumptions = flop_assumptions(options, costs, seconds, exchange, muon_link(setup, cluster, options))
+    if memory is not None:
+        assumptions.append(memory_assumption(cluster))
     if setup.num_experts and not options.costs_from:
         assumptions.append(f"mixture of experts: the experts count {setup.top_k} / {setup.num_experts} of their weights; "
                            "under expert parallelism every token all-to-all waits for its bytes over the EP group's link")
     return {"schedules": schedules, "skipped": skipped, "costs": asdict(costs), "assumptions": assumptions}
+
+
+def _memory_of(memory: dict[str, dict[str, Any] | str] | None, name: str) -> dict[str, Any]:
+    """A simulated schedule's "memory" (and "memory_note" where it has none); nothing without `memory`."""
+    if memory is None:
+        return {}
+    found = memory.get(name, "not estimated")
+    return {"memory": found} if isinstance(found, dict) else {"memory": None, "memory_note": found}
+
+
+def memory_assumption(cluster: Cluster) -> str:
+    return (f"memory: each schedule's peak per GPU on its busiest pipeline rank, as plan estimates the config's own "
+            f"(the config with only its schedule changed, split into stages as torchtitan splits it for that schedule; "
+            f"2BW's second weight version where it keeps one; chunks in flight from torch's action lists), "
+            f"against --gpu-memory {cluster.gpu_memory / 2**30:g} GiB")
 
 
 def collective_seconds(ranks: tuple[Collectives, ...] | None, reductions: float) -> float:
@@ -254,7 +311,8 @@ def traced_assumptions(directory: Path, costs: Costs) -> list[str]:
     ]
 
 
-def flop_assumptions(options: SimulationOptions, costs: Costs, collectives: dict[str, float]) -> list[str]:
+def flop_assumptions(options: SimulationOptions, costs: Costs, collectives: dict[str, float],
+                     exchange: tuple[float, ...] = (0.0,), exchange_link: Link | None = None) -> list[str]:
     link = (f"links: intra-node {options.intra_node_gbps:g} GB/s + {INTRA_NODE_LATENCY * 1e6:g} us, inter-node "
             f"{options.inter_node_gbps:g} GB/s + {INTER_NODE_LATENCY * 1e6:g} us; a message is "
             f"{costs.message_bytes / 1e6:.1f} MB (one microbatch's stage-boundary tensor)")
@@ -265,7 +323,10 @@ def flop_assumptions(options: SimulationOptions, costs: Costs, collectives: dict
         "full recomputation adds a forward, selective is not counted; TP collectives are inside the MFU",
         f"per microbatch and pipeline rank, forward {_ms(costs.forward)} ms, backward {_ms(costs.backward)} ms; "
         f"optimizer step {_ms(costs.optimizer)} ms (Newton-Schulz FLOPs of the busiest Muon owner at the same MFU + "
-        f"element-wise passes at {HBM_BYTES_PER_S / 1e12:g} TB/s)",
+        f"element-wise passes at {HBM_BYTES_PER_S / 1e12:g} TB/s"
+        + (f" + Muon's gather and scatter, {_ms(exchange)} ms: the busiest owner's received bytes at "
+           f"{exchange_link.bandwidth / 1e9:g} GB/s, the link its Muon group spans, not overlapped, alike for every schedule)"
+           if exchange_link and max(exchange) > 0 else ")"),
         link,
         f"FSDP and replica collectives: plan's bytes per step as ring collectives, {_ms(tuple(collectives.values()))} ms "
         "per step on the busiest rank, on a stream of their own one FSDP unit at a time: the gather overlaps the first "
