@@ -6,7 +6,8 @@ at every GPU count: the pipeline, tensor-parallel and replica degrees stay as co
 takes the GPUs left, and each data rank's batch shrinks as they grow (a count that does not
 divide the batch into whole microbatches is left out, with the reason). Each point is simulated
 as `plan --simulate` simulates the config; m / p (microbatches per flush over pipeline ranks) is
-what decides the gain of the streaming schedules over the best synchronous one.
+what decides the gain of the streaming schedules over the best synchronous one. The recommended
+schedule is the fastest whose peak memory fits `--gpu-memory` (or whose memory plan cannot tell).
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ def advise(run: RunConfig, cluster: Cluster, gpu_counts: list[int], simulate: Ca
         except UserError as err:
             skipped.append({"gpus": gpus, "reason": str(err)})
             continue
-        schedules = {s["name"]: s["tokens_per_second"] for s in plan["simulation"]["schedules"]}
+        simulated = plan["simulation"]["schedules"]
+        schedules = {s["name"]: s["tokens_per_second"] for s in simulated}
+        fitting = {s["name"]: s["tokens_per_second"] for s in simulated if not s.get("memory") or s["memory"]["fits"]}
         synchronous = {name: v for name, v in schedules.items() if name not in STREAMING_SCHEDULES}
         streaming = {name: v for name, v in schedules.items() if name in STREAMING_SCHEDULES}
         best_sync, best_stream = max(synchronous, key=synchronous.get), max(streaming, key=streaming.get)
@@ -68,7 +71,7 @@ def advise(run: RunConfig, cluster: Cluster, gpu_counts: list[int], simulate: Ca
             "best_synchronous": best_sync,
             "best_streaming": best_stream,
             "streaming_gain": streaming[best_stream] / synchronous[best_sync],
-            "recommended": max(schedules, key=schedules.get),
+            "recommended": max(fitting, key=fitting.get) if fitting else None,
             "config_schedule_fits": plan["fits"],
         })
     return {"sequences_per_step": sequences, "tokens_per_step": base["layout"]["tokens_per_step"],

@@ -239,12 +239,12 @@ def advice_text(advice: dict[str, Any]) -> str:
     """`plan --gpu-counts`' table and the GPU counts it left out."""
     table = Table(
         f"Schedules by GPU count ({advice['tokens_per_step']:,} tokens per step at each; m/p: microbatches per "
-        "step over pipeline ranks; gain: the best streaming schedule over the best synchronous one; fits: the config's "
-        "schedule in --gpu-memory)",
+        "step over pipeline ranks; gain: the best streaming schedule over the best synchronous one; recommended: the "
+        "fastest that fits --gpu-memory; fits: the config's schedule)",
         ["GPUs", "m/p", "best synchronous", "tokens/s", "best streaming", "tokens/s", "gain", "recommended", "fits"],
         [[str(p["gpus"]), f"{p['m_over_p']:g}", p["best_synchronous"], f"{p['tokens_per_second'][p['best_synchronous']]:,.0f}",
           p["best_streaming"], f"{p['tokens_per_second'][p['best_streaming']]:,.0f}", f"{p['streaming_gain']:.3f}x",
-          p["recommended"], "yes" if p["config_schedule_fits"] else "no"] for p in advice["points"]],
+          p["recommended"] or "none fits", "yes" if p["config_schedule_fits"] else "no"] for p in advice["points"]],
     )
     skipped = [f"{s['gpus']} GPUs left out: {s['reason']}" for s in advice["skipped"]]
     return "\n".join([_plain(table), *skipped])
