@@ -14,7 +14,13 @@ checks). What it takes from elsewhere:
   (seed * 0x9E3779B1 mod 2^32)); a transcription, checked by the step-1 loss;
 - the batches: the token ids, positions and labels the run trained on, in the order it consumed
   them, which the run writes when `TITAN_ASYNC_BATCH_LOG=DIR` is set (one JSON line per
-  microbatch, DIR/rank<R>.jsonl; a compromise: the data loader is not re-implemented here);
+  microbatch, DIR/rank<R>.jsonl; a compromise: the data loader is not re-implemented here); with
+  FSDP every data rank's local batch (rank d's log: torchtitan's mesh puts pp outermost), joined
+  into the global batch under one loss normalisation (the sum over its valid tokens);
+- the MoE model (`model.family = "qwen3_moe"`): torchtitan's Qwen3 MoE modules, the load-balancing
+  rule of torchtitan's optimizer pre-hook (`_update_expert_bias`: per block, bias += d - mean(d),
+  d = coeff * sign(mean(count) - count)) written out, and with `model.expert_precision = "full"`
+  the experts' SwiGLU written out per expert in float32;
 - the optimizer: torch.optim.AdamW (fused, as configured), with torchtitan's warm-up/stable/decay
   learning-rate factor transcribed, and each stage's gradient clipped on its own when it steps;
 - the stage boundaries: hard-coded for 2 stages of 4 layers, as torchtitan splits them
@@ -297,17 +303,27 @@ class Microbatch:
     labels: torch.Tensor
 
 
-def read_batches(batch_log: Path, settings: Settings) -> list[list[Microbatch]]:
-    """The run's batches (rank 0's log; every rank logs the same), each cut into its microbatches."""
-    rows = [json.loads(line) for line in (Path(batch_log) / "rank0.jsonl").read_text().splitlines()]
-    tokens = torch.cat([torch.tensor(r["input"]) for r in rows])
-    positions = torch.cat([torch.tensor(r["positions"]) for r in rows])
-    labels = torch.cat([torch.tensor(r["labels"]) for r in rows])
-    n, b = settings.steps, settings.local_batch_size
-    assert tokens.shape[0] == n * b, (tokens.shape, n, b)
-    size = settings.microbatch_size
-    return [[Microbatch(tokens[i:i + size], positions[i:i + size], labels[i:i + size]) for i in range(t * b, (t + 1) * b, size)]
-            for t in range(n)]
+def read_rank_log(batch_log: Path, rank: int) -> dict[str, torch.Tensor]:
+    rows = [json.loads(line) for line in (Path(batch_log) / f"rank{rank}.jsonl").read_text().splitlines()]
+    return {key: torch.cat([torch.tensor(r[key]) for r in rows]) for key in ("input", "positions", "labels")}
+
+
+def read_batches(batch_log: Path, settings: Settings, data_ranks: list[int] | None = None) -> list[list[Microbatch]]:
+    """The run's global batches, each cut into its microbatches: data rank d's local batch (the
+    log of rank d; torchtitan's mesh puts pp outermost, so ranks d, D + d, ... are data rank d's
+    stages, which log the same batches) followed by the next data rank's. `data_ranks` (a
+    control) takes only those data ranks' local batches."""
+    dp, size, n, b = settings.data_ranks, settings.microbatch_size, settings.steps, settings.local_batch_size
+    assert len(list(Path(batch_log).glob("rank*.jsonl"))) == 2 * dp, "2 stages x the data ranks"
+    logs = []
+    for d in range(dp) if data_ranks is None else data_ranks:
+        log = read_rank_log(batch_log, d)
+        later = read_rank_log(batch_log, dp + d)  # the same data rank's last stage
+        assert all(torch.equal(log[key], later[key]) for key in log), f"ranks {d} and {dp + d} are not one data rank"
+        assert log["input"].shape[0] == n * b, (log["input"].shape, n, b)
+        logs.append(log)
+    return [[Microbatch(log["input"][i:i + size], log["positions"][i:i + size], log["labels"][i:i + size])
+             for log in logs for i in range(t * b, (t + 1) * b, size)] for t in range(n)]
 
 
 # --- losses, optimizers ----------------------------------------------------------------------------
