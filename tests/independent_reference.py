@@ -14,7 +14,13 @@ checks). What it takes from elsewhere:
   (seed * 0x9E3779B1 mod 2^32)); a transcription, checked by the step-1 loss;
 - the batches: the token ids, positions and labels the run trained on, in the order it consumed
   them, which the run writes when `TITAN_ASYNC_BATCH_LOG=DIR` is set (one JSON line per
-  microbatch, DIR/rank<R>.jsonl; a compromise: the data loader is not re-implemented here);
+  microbatch, DIR/rank<R>.jsonl; a compromise: the data loader is not re-implemented here); with
+  FSDP every data rank's local batch (rank d's log: torchtitan's mesh puts pp outermost), joined
+  into the global batch under one loss normalisation (the sum over its valid tokens);
+- the MoE model (`model.family = "qwen3_moe"`): torchtitan's Qwen3 MoE modules, the load-balancing
+  rule of torchtitan's optimizer pre-hook (`_update_expert_bias`: per block, bias += d - mean(d),
+  d = coeff * sign(mean(count) - count)) written out, and with `model.expert_precision = "full"`
+  the experts' SwiGLU written out per expert in float32;
 - the optimizer: torch.optim.AdamW (fused, as configured), with torchtitan's warm-up/stable/decay
   learning-rate factor transcribed, and each stage's gradient clipped on its own when it steps;
 - the stage boundaries: hard-coded for 2 stages of 4 layers, as torchtitan splits them
@@ -39,6 +45,7 @@ The rules, written out:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import tomllib
@@ -51,10 +58,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
-from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.common.param_init import skip_param_init
 from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init
 from torchtitan.models.llama3.model import Llama3Model
+from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_moe_layers, _qwen3_norm
+from torchtitan.models.qwen3 import _EMBEDDING_INIT as _QWEN3_EMBEDDING_INIT, _LINEAR_INIT as _QWEN3_LINEAR_INIT
 
 STAGES = (("tok_embeddings", "layers.0", "layers.1"), ("layers.2", "layers.3", "norm", "lm_head"))
 """torchtitan's split of a 4-layer model into 2 stages (the input and output modules count as a layer each)."""
@@ -91,6 +101,14 @@ class Settings:
     ns_steps: int = 5
     error_feedback: float | None = None
     """The error-feedback coefficient c, None when off."""
+    family: str = "llama3"
+    num_experts: int = 0
+    top_k: int = 0
+    moe_hidden_dim: int = 0
+    load_balance_coeff: float = 0.0
+    expert_precision: str = "bfloat16"
+    data_ranks: int = 1
+    """The data-parallel (FSDP) degree: each data rank trains its own local batch."""
 
     @property
     def microbatches(self) -> int:
@@ -101,10 +119,16 @@ def read_settings(run_dir: Path, vocab_size: int) -> Settings:
     """The run's settings; only the shapes and values this reference supports are accepted."""
     c = tomllib.loads((Path(run_dir) / "config.toml").read_text())
     m, t, p, o, s = c["model"], c["training"], c["parallelism"], c["optimizer"], c["lr_scheduler"]
-    assert m["family"] == "llama3" and m["preset"] == "debugmodel" and m["n_kv_heads"] in (0, m["n_heads"])
+    assert m["family"] in ("llama3", "qwen3_moe") and m["preset"] == "debugmodel" and m["n_kv_heads"] in (0, m["n_heads"])
     assert m["multiple_of"] == -1 and m["ffn_dim_multiplier"] == -1.0 and m["float8"] == "none"
     assert m["n_layers"] == 4 and p["pipeline_parallel_degree"] == 2, "the stage split is hard-coded for 2 stages of 4 layers"
-    assert t["dtype"] == "float32" and t.get("global_batch_size", -1) in (-1, t["local_batch_size"])
+    data_ranks = p["data_parallel_shard_degree"]
+    assert data_ranks >= 1, "the resolved config names the degree"
+    assert p.get("data_parallel_replicate_degree", 1) == 1 and p.get("tensor_parallel_degree", 1) == 1
+    assert p.get("expert_parallel_degree", 1) == 1 and p.get("context_parallel_degree", 1) == 1
+    assert t["dtype"] == "float32" and t.get("global_batch_size", -1) in (-1, t["local_batch_size"] * data_ranks)
+    if m["family"] == "qwen3_moe":
+        assert m["weight_tying"] in ("preset", False) and m["load_balance_coeff"] > 0
     assert c["activation_checkpoint"]["mode"] == "none" and o["name"] in ("adamw", "muon")
     muon, ef = o["muon"], o["error_feedback"]
     if o["name"] == "muon":
@@ -118,6 +142,9 @@ def read_settings(run_dir: Path, vocab_size: int) -> Settings:
         min_lr_factor=s["min_lr_factor"], accumulation=p.get("paci", {}).get("accumulation"),
         optimizer=o["name"], adamw_lr=muon["adamw_lr"] if o["name"] == "muon" else o["lr"], momentum=muon["momentum"],
         nesterov=muon["nesterov"], ns_steps=muon["ns_steps"], error_feedback=ef["coefficient"] if ef["enabled"] else None,
+        family=m["family"], num_experts=m.get("num_experts", 0), top_k=m.get("top_k", 0), moe_hidden_dim=m.get("moe_hidden_dim", 0),
+        load_balance_coeff=m.get("load_balance_coeff", 0.0), expert_precision=m.get("expert_precision", "bfloat16"),
+        data_ranks=data_ranks,
     )
 
 
@@ -164,9 +191,57 @@ def document_mask(positions: torch.Tensor) -> torch.Tensor:
     return ((document.unsqueeze(2) == document.unsqueeze(1)) & causal).unsqueeze(1)
 
 
-def build_model(settings: Settings) -> nn.Module:
-    """torchtitan's Llama 3 at the run's sizes, with this module's attention, initialised by the run's rule."""
+class Float32Experts(GroupedExperts):
+    """torchtitan's grouped SwiGLU experts, w2(silu(w1 x) * w3 x) on each expert's rows, with the
+    matmuls written out per expert in the tokens' dtype (torchtitan's own cast to bfloat16):
+    what `model.expert_precision = "full"` configures."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        pass
+
+    def forward(self, x, num_tokens_per_expert):
+        outputs = [F.linear(F.silu(F.linear(rows, w1)) * F.linear(rows, w3), w2) for rows, w1, w2, w3 in zip(
+            x.split(num_tokens_per_expert.tolist()), self.w1_EFD, self.w2_EDF, self.w3_EFD)]
+        return torch.cat(outputs) if outputs else x[:0]
+
+
+def build_moe_model(settings: Settings) -> nn.Module:
+    """torchtitan's Qwen3 MoE at the run's sizes (every block an MoE block, fused wqkv, head_dim =
+    dim / n_heads, softmax top-k routing with torchtitan's defaults), this module's attention."""
     dim, heads, vocab = settings.dim, settings.n_heads, settings.vocab_size
+    layers = _build_qwen3_moe_layers(
+        n_layers=settings.n_layers, dim=dim, n_heads=heads, n_kv_heads=heads, head_dim=dim // heads,
+        moe_hidden_dim=settings.moe_hidden_dim, num_experts=settings.num_experts, top_k=settings.top_k, fuse_qkv=True,
+        attn_backend="varlen", moe_comm_backend="standard",
+        rope=CosSinRoPE.Config(dim=dim // heads, max_seq_len=131072, theta=settings.rope_theta))
+    for layer in layers:
+        layer.moe.load_balance_coeff = settings.load_balance_coeff
+        if settings.expert_precision == "full":
+            inner = layer.moe.routed_experts.inner_experts
+            layer.moe.routed_experts.inner_experts = Float32Experts.Config(
+                **{f.name: getattr(inner, f.name) for f in dataclasses.fields(inner)})
+    config = Qwen3Model.Config(
+        vocab_size=vocab, dim=dim, norm=_qwen3_norm(dim), enable_weight_tying=False,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_QWEN3_EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_QWEN3_LINEAR_INIT), layers=layers)
+    return config.build()
+
+
+def moe_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's MoE modules (an expert bias each), in layer order."""
+    return [layer.moe for layer in model.layers.values()]
+
+
+def build_model(settings: Settings) -> nn.Module:
+    """torchtitan's Llama 3 (or Qwen3 MoE) at the run's sizes, with this module's attention, initialised by the run's rule."""
+    dim, heads, vocab = settings.dim, settings.n_heads, settings.vocab_size
+    if settings.family == "qwen3_moe":
+        model = build_moe_model(settings)
+        for layer in model.layers.values():
+            layer.attention.inner_attention = DocumentCausalAttention()
+        initialize(model, settings.seed)
+        return model
     config = Llama3Model.Config(
         dim=dim, vocab_size=vocab, enable_weight_tying=False,
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_INIT),
@@ -202,8 +277,8 @@ def initialize(model: nn.Module, seed: int) -> None:
 
 
 def weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The parameters as a checkpoint names them: torchtitan's state-dict hooks split the fused wqkv."""
-    buffers = {name for name, _ in model.named_buffers()}
+    """The parameters (and MoE expert biases) as a checkpoint names them: torchtitan's state-dict hooks split the fused wqkv."""
+    buffers = {name for name, _ in model.named_buffers() if not name.endswith("expert_bias_E")}
     return {name: t.detach().clone() for name, t in model.state_dict().items() if name not in buffers}
 
 
@@ -228,17 +303,27 @@ class Microbatch:
     labels: torch.Tensor
 
 
-def read_batches(batch_log: Path, settings: Settings) -> list[list[Microbatch]]:
-    """The run's batches (rank 0's log; every rank logs the same), each cut into its microbatches."""
-    rows = [json.loads(line) for line in (Path(batch_log) / "rank0.jsonl").read_text().splitlines()]
-    tokens = torch.cat([torch.tensor(r["input"]) for r in rows])
-    positions = torch.cat([torch.tensor(r["positions"]) for r in rows])
-    labels = torch.cat([torch.tensor(r["labels"]) for r in rows])
-    n, b = settings.steps, settings.local_batch_size
-    assert tokens.shape[0] == n * b, (tokens.shape, n, b)
-    size = settings.microbatch_size
-    return [[Microbatch(tokens[i:i + size], positions[i:i + size], labels[i:i + size]) for i in range(t * b, (t + 1) * b, size)]
-            for t in range(n)]
+def read_rank_log(batch_log: Path, rank: int) -> dict[str, torch.Tensor]:
+    rows = [json.loads(line) for line in (Path(batch_log) / f"rank{rank}.jsonl").read_text().splitlines()]
+    return {key: torch.cat([torch.tensor(r[key]) for r in rows]) for key in ("input", "positions", "labels")}
+
+
+def read_batches(batch_log: Path, settings: Settings, data_ranks: list[int] | None = None) -> list[list[Microbatch]]:
+    """The run's global batches, each cut into its microbatches: data rank d's local batch (the
+    log of rank d; torchtitan's mesh puts pp outermost, so ranks d, D + d, ... are data rank d's
+    stages, which log the same batches) followed by the next data rank's. `data_ranks` (a
+    control) takes only those data ranks' local batches."""
+    dp, size, n, b = settings.data_ranks, settings.microbatch_size, settings.steps, settings.local_batch_size
+    assert len(list(Path(batch_log).glob("rank*.jsonl"))) == 2 * dp, "2 stages x the data ranks"
+    logs = []
+    for d in range(dp) if data_ranks is None else data_ranks:
+        log = read_rank_log(batch_log, d)
+        later = read_rank_log(batch_log, dp + d)  # the same data rank's last stage
+        assert all(torch.equal(log[key], later[key]) for key in log), f"ranks {d} and {dp + d} are not one data rank"
+        assert log["input"].shape[0] == n * b, (log["input"].shape, n, b)
+        logs.append(log)
+    return [[Microbatch(log["input"][i:i + size], log["positions"][i:i + size], log["labels"][i:i + size])
+             for log in logs for i in range(t * b, (t + 1) * b, size)] for t in range(n)]
 
 
 # --- losses, optimizers ----------------------------------------------------------------------------
@@ -367,28 +452,64 @@ def one_thread(train):
 
 # --- PipeDream-2BW ---------------------------------------------------------------------------------
 
+def expert_counts(model: nn.Module) -> torch.Tensor:
+    """[blocks, experts]: the tokens each block routed to each expert since the counters were zeroed; zeroes them."""
+    counts = torch.stack([block.tokens_per_expert_E.clone() for block in moe_blocks(model)])
+    for block in moe_blocks(model):
+        block.tokens_per_expert_E.zero_()
+    return counts
+
+
+@torch.no_grad()
+def balance_load(model: nn.Module, counts: torch.Tensor, coeff: float) -> None:
+    """torchtitan's auxiliary-loss-free rule (its optimizer pre-hook `_update_expert_bias`), per
+    block: delta = coeff * sign(mean(count) - count), centred (delta - mean(delta)), added to the bias."""
+    for block, row in zip(moe_blocks(model), counts.float()):
+        delta = coeff * torch.sign(row.mean() - row)
+        block.expert_bias_E.add_(delta - delta.mean())
+
+
 @one_thread
-def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "exact", **optimizer_options) -> Result:
+def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "exact", bias_counts: str = "delayed",
+           **optimizer_options) -> Result:
     """W[k+1] = W[k] - Opt(grad f_k(W[k-1])), W[-1] = W[0]; each stage clips its own gradient.
+    With experts the biases are part of W and move by the load-balancing rule from the counts of
+    batch k routed at W[k-1] (the microbatches whose gradient the update applies).
     Controls: "stale" applies the update to W[k-1]; "no_delay" takes the gradient at W[k];
+    `bias_counts="next"` moves the biases by the counts of batch k+1 routed at W[k] (the batch
+    the pipeline is forwarding when it steps; none after the last);
     `optimizer_options` (StageOptimizer's `error_feedback`, `whole_qkv`) change the optimizer."""
     model = build_model(settings)  # holds W[k]
     previous = copy.deepcopy(model)  # holds W[k-1]
     head_dim = settings.dim // settings.n_heads
     optimizers = [StageOptimizer(named, settings, head_dim, **optimizer_options) for named in stage_params(model)]
+    moe = settings.family == "qwen3_moe"
     losses = {}
     for k, batch in enumerate(batches):
         at = model if variant == "no_delay" else previous
         at.zero_grad()
+        if moe:
+            expert_counts(at)
         n, total = valid_tokens(batch), 0.0
         for mb in batch:
             loss = summed_loss(at(mb.tokens, positions=mb.positions, attention_masks=document_mask(mb.positions)), mb.labels) / n
             loss.backward()
             total += loss.item()
         losses[k + 1] = total
+        if moe:
+            counts = expert_counts(at)
+            if bias_counts == "next":
+                counts = torch.zeros_like(counts)
+                if k + 1 < len(batches):
+                    with torch.no_grad():
+                        for mb in batches[k + 1]:
+                            model(mb.tokens, positions=mb.positions, attention_masks=document_mask(mb.positions))
+                    counts = expert_counts(model)
         latest = copy.deepcopy(model.state_dict())
         if variant == "stale":
             model.load_state_dict(previous.state_dict())
+        if moe:
+            balance_load(model, counts, settings.load_balance_coeff)
         for param, source in zip(model.parameters(), at.parameters()):
             param.grad = source.grad.clone()
         for optimizer in optimizers:

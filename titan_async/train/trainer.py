@@ -15,6 +15,7 @@ to `training.max_norm` when it steps; the logged norm is the last stage's.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
