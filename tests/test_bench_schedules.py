@@ -135,7 +135,7 @@ def test_run_and_table_compute_tokens_bubble_and_ideal_from_the_raw_records(tmp_
     args = bench.argparse.Namespace(stages=2, fsdp=1, replicas=1, accumulate=1, microbatches=2, microbatch_size=1, seq_len=32,
                                     warmup=1, steps=5, simulate=False, out=tmp_path / "out", reps=1)
     monkeypatch.setattr(bench, "titan_async", lambda *a, **k: None)
-    step_times = {"1F1B": [0.0, 1.0, 1.2, 1.4, 1.6, 2.0], "PipeDream2BW": [0.0, 1.0, 1.1, 1.3, 1.4, 2.0]}  # steps 2-4 measured
+    step_times = {"1F1B": [0.0, 1.0, 1.25, 1.5, 1.75, 2.0], "PipeDream2BW": [0.0, 1.0, 1.1, 1.3, 1.4, 2.0]}  # steps 2-4 measured
     bubbles = {0: [0.5, 0.1, 0.3, 0.2, 0.9], 1: [0.5, 0.4, 0.0, 0.2, 0.9]}  # per rank, steps 1-5
     durations = {0: [("0F0", 1), ("0F1", 3), ("0F2", 1), ("0B0", 2), ("0B1", 2), ("0O0", 1)],
                  1: [("1F0", 2), ("1B0", 3), ("1F1", 2), ("1B1", 3), ("1O0", 0.5)]}  # slowest: 2 x (2 + 3) + 0.5 = 10.5 ms
@@ -152,7 +152,7 @@ def test_run_and_table_compute_tokens_bubble_and_ideal_from_the_raw_records(tmp_
     bench.report(results, {0: 1.0, 1: 1.0}, args)
     out = capsys.readouterr().out
     tokens = 1 * 2 * 32  # microbatch size x microbatches x sequence length
-    speed = {"1F1B": tokens / 0.2, "PipeDream2BW": tokens / 0.1}  # medians of step times (0.2, 0.2, 0.2) and (0.1, 0.2, 0.1)
+    speed = {"1F1B": tokens / 0.25, "PipeDream2BW": tokens / 0.1}  # medians of step times (0.25, 0.25, 0.25) and (0.1, 0.2, 0.1)
     ideal = tokens / 0.0105
     with open(tmp_path / "out" / "bench_schedules_p2_m2.csv") as f:
         table = {row["schedule"]: row for row in csv.DictReader(f)}
