@@ -127,3 +127,40 @@ def test_benchmark_with_replicas_and_accumulation_counts_each_ranks_all_reduce(t
         assert row["collective MiB/step per rank"] == row["replica all-reduce MiB/step per rank"]
     assert float(table["PipeDream2BW"]["collective vs 1F1B (worst rank)"]) == pytest.approx(0.5, abs=2e-3)
     assert "PipeDream2BW 0.500x (within the accepted 1.1x)" in result.stdout
+
+
+def test_run_and_table_compute_tokens_bubble_and_ideal_from_the_raw_records(tmp_path, monkeypatch, capsys):
+    """`run` and `report` on hand-written stage records and trace (no training): the printed
+    tokens/s, ratios, bubbles and 1F1B's formula bubble against our own arithmetic on the raw rows."""
+    args = bench.argparse.Namespace(stages=2, fsdp=1, replicas=1, accumulate=1, microbatches=2, microbatch_size=1, seq_len=32,
+                                    warmup=1, steps=5, simulate=False, out=tmp_path / "out", reps=1)
+    monkeypatch.setattr(bench, "titan_async", lambda *a, **k: None)
+    step_times = {"1F1B": [0.0, 1.0, 1.25, 1.5, 1.75, 2.0], "PipeDream2BW": [0.0, 1.0, 1.1, 1.3, 1.4, 2.0]}  # steps 2-4 measured
+    bubbles = {0: [0.5, 0.1, 0.3, 0.2, 0.9], 1: [0.5, 0.4, 0.0, 0.2, 0.9]}  # per rank, steps 1-5
+    durations = {0: [("0F0", 1), ("0F1", 3), ("0F2", 1), ("0B0", 2), ("0B1", 2), ("0O0", 1)],
+                 1: [("1F0", 2), ("1B0", 3), ("1F1", 2), ("1B1", 3), ("1O0", 0.5)]}  # slowest: 2 x (2 + 3) + 0.5 = 10.5 ms
+    results = {}
+    for schedule, times in step_times.items():
+        run_dir = tmp_path / schedule
+        (run_dir / "pipeline").mkdir(parents=True)
+        for rank in (0, 1):
+            rows = [{"step": s, "time": times[s], "bubble": bubbles[rank][s - 1], "memory_gib": 1.0} for s in range(1, 6)]
+            (run_dir / "pipeline" / f"stage{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        events = [{"name": n, "ph": "X", "pid": 0, "tid": r, "ts": 0.0, "dur": ms * 1e3} for r, acts in durations.items() for n, ms in acts]
+        (run_dir / "pipeline" / "trace.json").write_text(json.dumps({"traceEvents": events}))
+        results[schedule] = [bench.run(schedule, args, run_dir)]
+    bench.report(results, {0: 1.0, 1: 1.0}, args)
+    out = capsys.readouterr().out
+    tokens = 1 * 2 * 32  # microbatch size x microbatches x sequence length
+    speed = {"1F1B": tokens / 0.25, "PipeDream2BW": tokens / 0.1}  # medians of step times (0.25, 0.25, 0.25) and (0.1, 0.2, 0.1)
+    ideal = tokens / 0.0105
+    with open(tmp_path / "out" / "bench_schedules_p2_m2.csv") as f:
+        table = {row["schedule"]: row for row in csv.DictReader(f)}
+    for schedule, row in table.items():
+        assert number(row["tokens/s"]) == pytest.approx(speed[schedule], abs=0.5)
+        assert float(row["vs 1F1B"]) == pytest.approx(speed[schedule] / speed["1F1B"], abs=5e-4)
+        assert float(row["of ideal"]) == pytest.approx(speed[schedule] / ideal, abs=5e-4)
+        # median over the measured steps 2-4: rank 0 of (0.1, 0.3, 0.2), rank 1 of (0.4, 0.0, 0.2)
+        assert row["bubble per rank"] == "20.0% 20.0%"
+    assert table["1F1B"]["formula bubble"] == "33%"  # (p - 1) / (m + p - 1) = 1 / 3
+    assert f"{ideal:,.0f} tokens/s" in out

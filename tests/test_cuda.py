@@ -122,9 +122,21 @@ WITHOUT_FSDP = (
 """`titan-async` with FSDP left out of the synchronous path (as the weight-version paths do)."""
 
 
+@pytest.fixture(scope="module")
+def synchronous_cuda(tmp_path_factory):
+    """Plain synchronous training (FSDP2 on one NCCL rank), shared by the PACI comparison."""
+    return train(tmp_path_factory.mktemp("sync") / "fsdp")
+
+
+@pytest.fixture(scope="module")
+def emulated_2bw_cuda(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("2bw") / "2bw", "parallelism.pipeline_parallel_schedule=PipeDream2BW",
+                 "parallelism.pipeline_parallel_microbatch_size=1", "parallelism.emulated_stages=2")
+
+
 @CUDA
-def test_fsdp2_on_one_nccl_rank_trains_like_plain_parameters(tmp_path):
-    sharded = train(tmp_path / "fsdp")
+def test_fsdp2_on_one_nccl_rank_trains_like_plain_parameters(tmp_path, synchronous_cuda):
+    sharded = synchronous_cuda
     plain = tmp_path / "plain"
     result = subprocess.run(
         [sys.executable, "-c", WITHOUT_FSDP, "train", "--config", str(CONFIGS / "debug_cpu.toml"), "--run-dir", str(plain), *sets(*EXACT)],
@@ -138,10 +150,9 @@ def test_fsdp2_on_one_nccl_rank_trains_like_plain_parameters(tmp_path):
 
 
 @CUDA
-def test_emulated_2bw_equals_delayed_gradient_on_cuda(tmp_path):
+def test_emulated_2bw_equals_delayed_gradient_on_cuda(tmp_path, emulated_2bw_cuda):
     delayed = train(tmp_path / "delay", "training.gradient_delay=1")
-    emulated = train(tmp_path / "2bw", "parallelism.pipeline_parallel_schedule=PipeDream2BW",
-                     "parallelism.pipeline_parallel_microbatch_size=1", "parallelism.emulated_stages=2")
+    emulated = emulated_2bw_cuda
     assert_same_run(delayed, emulated)
     assert_close_weights(final_weights(emulated), final_weights(delayed))
 
@@ -161,9 +172,29 @@ def test_emulated_2bw_moe_equals_delayed_gradient_on_cuda(tmp_path):
 
 
 @CUDA
-def test_emulated_paci_trains_on_cuda(tmp_path):
+def test_emulated_paci_trains_on_cuda(tmp_path, synchronous_cuda, emulated_2bw_cuda):
+    """PACI emulated on 2 stages, a = m = 8, against the rules the CPU runs follow (the same
+    settings as test_schedules.py's emulations; checked on CPU with the same three runs):
+    step 1 is synchronous training's (initial weights, same data), and so is step 2, since the
+    validation at step 1 drains the stream and applies stage 0's last local update; from step 3
+    on the losses leave synchronous training's, and they are never 2BW's from step 2 on (2BW's
+    step 2 still runs the initial weights). Delays: stage 0 crosses one local update in 8
+    microbatches in a steady window (steps 3, 5, 6: after neither the start nor a drain),
+    (p - 1 - s) / a = 1/8 at most 1; the last stage none; windows after a start or drain none."""
     run = train(tmp_path / "paci", "parallelism.pipeline_parallel_schedule=PACI",
                 "parallelism.pipeline_parallel_microbatch_size=1", "parallelism.emulated_stages=2")
-    assert all(math.isfinite(loss) for loss in losses(run).values())
+    paci, synchronous, delayed = losses(run), losses(synchronous_cuda), losses(emulated_2bw_cuda)
+    assert sorted(paci) == sorted(synchronous) == sorted(delayed) == list(range(1, STEPS + 1))
+    assert all(math.isfinite(loss) for loss in paci.values())
+    assert paci[1] == pytest.approx(synchronous[1], rel=1e-5) and paci[2] == pytest.approx(synchronous[2], rel=1e-5)
+    for step in range(2, STEPS + 1):
+        assert paci[step] != pytest.approx(delayed[step], rel=1e-6), step
+        if step >= 3:
+            assert paci[step] != pytest.approx(synchronous[step], rel=1e-6), step
+    steady = {"staleness/stage0": 1 / 8, "staleness_max/stage0": 1.0, "staleness/stage1": 0.0, "staleness_max/stage1": 0.0}
+    rows = metrics(run)
+    for step, row in rows.items():
+        expected = steady if step in (3, 5, 6) else dict.fromkeys(steady, 0.0)
+        assert {key: row[key] for key in steady} == pytest.approx(expected), step
     validation = metrics(run, "validation")
     assert validation[STEPS]["validation_metrics/loss"] < validation[1]["validation_metrics/loss"] - 0.05

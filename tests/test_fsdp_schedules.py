@@ -62,14 +62,63 @@ def test_streaming_schedule_with_fsdp_resumes_exactly(tmp_path, schedule):
     assert_same_run(full, split, rel=1e-6)
 
 
+SHARED = (*TINY, "training.steps=6", "lr_scheduler.total_steps=6", "validation.enable=false", "checkpoint.enable=false")
+OFFLINE = ("metrics.enable_wandb=true", "metrics.wandb_mode=offline")
+WANDB = {"PipeDream2BW": OFFLINE, "PACI": (*OFFLINE, "metrics.wandb_rank_runs=true")}
+
+
+@pytest.fixture(scope="module")
+def schedule_runs(tmp_path_factory) -> dict:
+    """1F1B, PipeDream2BW and PACI (a = m = 4) under PP 2 x FSDP 2 on the same data for 6 steps,
+    no drain before the last step (W&B offline for the streaming two): shared by the byte counts
+    and by the streaming runs' comparison with synchronous training."""
+    root = tmp_path_factory.mktemp("schedules")
+    return {schedule: train(root / schedule, *SHARED, f"parallelism.pipeline_parallel_schedule={schedule}", *WANDB.get(schedule, ()))
+            for schedule in ("1F1B", "PipeDream2BW", "PACI")}
+
+
 @pytest.mark.parametrize("config", ["debug_cpu_pp2_paci.toml", "debug_cpu_pp2_2bw.toml"], ids=["paci-adamw", "2bw-muon-ef"])
-def test_streaming_schedule_with_fsdp_trains(tmp_path, config):
+def test_streaming_schedule_with_fsdp_trains(tmp_path, config, schedule_runs):
+    """The config's schedule on PP 2 x FSDP 2 (its optimizer: AdamW for PACI, Muon with error
+    feedback for 2BW), validating (draining) at steps 1, 3 and 6 and saving at 3 and 6, against
+    the rules worked out by hand for p = 2, m = 4 microbatches:
+    - step 1 runs the initial weights on the same data as 1F1B: 1F1B's loss;
+    - 2BW: step 2's forward still runs the initial weights (batch 1's update lands a step late,
+      whatever the optimizer): the loss of the AdamW 2BW run at step 2, not 1F1B's; every gradient
+      one optimizer step old (staleness 1 on both stages at every step);
+    - PACI, a = m = 4: the drain at step 1 applies stage 0's last local update before step 2, so
+      step 2 is 1F1B's; from step 3 on stage 0's first microbatch of each window runs forward
+      before the update of the previous window's last backward, and the losses leave 1F1B's. Its
+      delays: in a steady window (steps 3, 5, 6: after neither the stream's start nor a drain)
+      stage 0 crosses one update in 4 microbatches, (p - 1 - s) / a = 1/4, at most 1; the last
+      stage none; the windows after a start or drain (1, 2, 4) none on either stage."""
     run = tmp_path / "run"
     run_cli("train", "--config", str(CONFIGS / config), "--nproc-per-node", "4", "--run-dir", str(run),
             *sets(*EXACT, "training.local_batch_size=4", "parallelism.pipeline_parallel_microbatch_size=1",
                   "parallelism.data_parallel_shard_degree=2"))
     validation = metrics(run, "validation")
     assert validation[STEPS]["validation_metrics/loss"] < validation[1]["validation_metrics/loss"]
+
+    trained, synchronous, rows = losses(run), losses(schedule_runs["1F1B"]), metrics(run)
+    assert sorted(trained) == sorted(synchronous) == list(range(1, STEPS + 1))
+    assert trained[1] == pytest.approx(synchronous[1], rel=1e-5)
+    staleness = {step: {key: value for key, value in row.items() if key.startswith("staleness")} for step, row in rows.items()}
+    if "2bw" in config:
+        assert trained[2] == pytest.approx(losses(schedule_runs["PipeDream2BW"])[2], rel=1e-5)
+        delayed_from = 2
+        expected = {step: {f"{key}/stage{s}": 1.0 for key in ("staleness", "staleness_max") for s in (0, 1)} for step in rows}
+    else:
+        assert trained[2] == pytest.approx(synchronous[2], rel=1e-5)
+        delayed_from = 3
+        steady = {"staleness/stage0": 0.25, "staleness_max/stage0": 1.0, "staleness/stage1": 0.0, "staleness_max/stage1": 0.0}
+        expected = {step: steady if step in (3, 5, 6) else dict.fromkeys(steady, 0.0) for step in rows}
+    for step in range(delayed_from, STEPS + 1):
+        assert trained[step] != pytest.approx(synchronous[step], rel=1e-6), step  # deterministic: step 1 agrees to 1e-5 and better
+    assert staleness == expected
+    if "paci" in config:  # the shared PACI run never drains before its last step: delayed from step 2, steady from step 2
+        undrained = metrics(schedule_runs["PACI"])
+        assert losses(schedule_runs["PACI"])[2] != pytest.approx(synchronous[2], rel=1e-6)
+        assert [undrained[step]["staleness/stage0"] for step in range(1, 7)] == [0.0] + [0.25] * 5
 
 
 def test_float8_emulated_2bw_with_fsdp_tracks_float32(tmp_path):
@@ -104,19 +153,16 @@ def assert_one_writer_per_stage(run_dir, writers: list[int]) -> None:
     assert sorted(p.name for p in (run_dir / "tb" / "pipeline").iterdir()) == [f"stage{s}" for s in range(len(writers))]
 
 
-def test_streaming_schedules_move_the_fsdp_bytes_of_1f1b_as_planned_and_2bw_keeps_one_shard_copy(tmp_path, capsys):
+def test_streaming_schedules_move_the_fsdp_bytes_of_1f1b_as_planned_and_2bw_keeps_one_shard_copy(capsys, schedule_runs):
     """Under PP 2 x FSDP 2 a streaming stage gathers and reduces once per update, as torch's 1F1B
     does once per step: all-gather + reduce-scatter bytes per step of each stage's first rank
     within 1.3x of 1F1B's (measured by counting FSDP's collectives) and within 10% of what `plan`
     predicts; 2BW keeps one copy of the stage's shard, whose size the plan's dry run measures on a
     fake process group. Ranks 0 and 2 alone write the stages' scalars, and W&B (offline) has one
     run for the job by default (2BW), one more per stage with `metrics.wandb_rank_runs` (PACI)."""
-    settings = (*TINY, "training.steps=6", "lr_scheduler.total_steps=6", "validation.enable=false", "checkpoint.enable=false")
-    offline = ("metrics.enable_wandb=true", "metrics.wandb_mode=offline")
-    wandb = {"PipeDream2BW": offline, "PACI": (*offline, "metrics.wandb_rank_runs=true")}
+    settings = SHARED
     per_step, records = {}, {}
-    for schedule in ("1F1B", "PipeDream2BW", "PACI"):
-        run = train(tmp_path / schedule, *settings, f"parallelism.pipeline_parallel_schedule={schedule}", *wandb.get(schedule, ()))
+    for schedule, run in schedule_runs.items():
         assert_one_writer_per_stage(run, writers=[0, 2])
         records[schedule] = stage_records(run)
         per_step[schedule] = {
@@ -124,8 +170,8 @@ def test_streaming_schedules_move_the_fsdp_bytes_of_1f1b_as_planned_and_2bw_keep
             for stage, rows in records[schedule].items()
         }
     for schedule, suffixes in (("PipeDream2BW", [""]), ("PACI", ["", "-stage0", "-stage1"])):
-        run_id = json.loads((tmp_path / schedule / "launch.json").read_text())["run_id"]
-        assert sorted(p.name for p in (tmp_path / schedule).rglob("run-*.wandb")) == sorted(f"run-{run_id}{s}.wandb" for s in suffixes)
+        run_id = json.loads((schedule_runs[schedule] / "launch.json").read_text())["run_id"]
+        assert sorted(p.name for p in schedule_runs[schedule].rglob("run-*.wandb")) == sorted(f"run-{run_id}{s}.wandb" for s in suffixes)
     assert sorted(per_step["1F1B"]) == [0, 1] and all(per_step["1F1B"].values())
     for schedule in ("PipeDream2BW", "PACI"):
         for stage, moved in per_step[schedule].items():
