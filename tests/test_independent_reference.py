@@ -12,10 +12,8 @@ data ranks' batches) and with torchtitan's Qwen3 MoE (expert biases and their lo
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
-import pytest
 import torch
 
 import independent_reference as ref
