@@ -59,6 +59,14 @@ def test_balance_evens_out_a_split_that_gives_the_head_a_stage_of_blocks(capsys)
     for row in rerun["simulation"]["schedules"]:
         assert row["tokens_per_second"] == pytest.approx(gains[row["name"]]["balanced"], rel=1e-9), row["name"]
 
+    # The split has one stage per rank: a V-shaped schedule, two per rank, is refused in one line
+    # (each schedule's memory in the balanced plan above is then left out with that line).
+    code, _, err = cli_in_process(capsys, "plan", "--config", CONFIG, *CLUSTER, *EVEN_LAYERS,
+                                  "--set", "parallelism.pipeline_parallel_schedule=ZBVZeroBubble", "--set", "validation.enable=false",
+                                  "--set", f"parallelism.module_fqns_per_model_part={json.dumps(split)}")
+    assert code == 2 and "module_fqns_per_model_part has 8 stages; ZBVZeroBubble on 8 pipeline ranks needs 16" in err
+    assert len(err.strip().splitlines()) == 1
+
     shipped = simulated(capsys, "--balance")["balance"]
     assert not shipped["balanced"] and all(row["gain"] == 1.0 for row in shipped["schedules"])
 

@@ -176,15 +176,18 @@ def final_weights(run_dir) -> dict[str, torch.Tensor]:
     return checkpoint_weights(run_dir / "checkpoint" / f"step-{STEPS}")
 
 
-def assert_same_run(a, b, rel=1e-5):
-    """The same losses, validation losses and global gradient norms at every logged step."""
+def assert_same_run(a, b, rel=1e-5, norm_rel=1e-4):
+    """The same losses and validation losses (within `rel`) and global gradient norms (within
+    `norm_rel`) at every logged step. A norm is a float32 sum of squares that FSDP shards, TP,
+    EP and replicas associate differently from one whole tensor (measured up to 5.5e-5 relative);
+    a stage's norm in place of the global one is off by percents."""
     for kind in ("train", "validation"):
         first, second = metrics(a, kind), metrics(b, kind)
-        keys = ("loss_metrics/global_avg_loss", "grad_norm") if kind == "train" else ("validation_metrics/loss",)
+        keys = {"loss_metrics/global_avg_loss": rel, "grad_norm": norm_rel} if kind == "train" else {"validation_metrics/loss": rel}
         assert sorted(first) == sorted(second)
         for step in first:
-            for key in keys:
-                assert second[step][key] == pytest.approx(first[step][key], rel=rel), (kind, step, key)
+            for key, tolerance in keys.items():
+                assert second[step][key] == pytest.approx(first[step][key], rel=tolerance), (kind, step, key)
 
 
 @pytest.fixture(scope="module")

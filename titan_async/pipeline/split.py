@@ -26,6 +26,7 @@ def split_stages(parallelism, model_config, microbatches: int | None = None) -> 
         stages, _, first, last = _get_pipeline_metadata(SimpleNamespace(pp=pp), parallelism, model_config)
         modules = parallelism.module_fqns_per_model_part or _generate_llm_fqn_per_model_part(stages, layers, first, last)
         _check_placement(modules, _generate_llm_fqn_per_model_part(1, layers)[0])
+        _check_stage_count(parallelism.pipeline_parallel_schedule, len(modules), pp, stages)
         schedule = parallelism.pipeline_parallel_schedule
         if microbatches is not None:
             check_microbatches(schedule, microbatches, len(modules), pp)
@@ -49,6 +50,21 @@ def _check_placement(modules: list[list[str]], known: list[str]) -> None:
     missing = [name for name in known if name not in placed]
     if missing:
         raise ValueError(f"{key} leaves out {', '.join(missing)}: every module of the model must be on a stage")
+
+
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+def _check_stage_count(schedule: str, given: int, pp: int, stages: int) -> None:
+    """ValueError, naming the key, when `module_fqns_per_model_part` gives a number of stages the
+    schedule cannot place on `pp` ranks: one per rank (`stages` == pp: single-stage schedules),
+    two per rank (the V-shaped ones), or a multiple of pp (the other interleaved ones)."""
+    v_shaped = schedule.lower() in {name.lower() for name in V_SCHEDULES}
+    if given == stages or (stages > pp and not v_shaped and given % pp == 0 and given > pp):
+        return
+    need = f"{stages} ({stages // pp} per rank)" if stages == pp or v_shaped else f"a multiple of {pp}, at least {2 * pp}"
+    raise ValueError(f"parallelism.module_fqns_per_model_part has {given} stages; {schedule} on {pp} pipeline ranks "
+                     f"needs {need}")
 
 
 def check_microbatches(schedule: str, microbatches: int, stages: int, pp: int) -> None:
