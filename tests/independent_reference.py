@@ -19,8 +19,7 @@ checks). What it takes from elsewhere:
   into the global batch under one loss normalisation (the sum over its valid tokens);
 - the MoE model (`model.family = "qwen3_moe"`): torchtitan's Qwen3 MoE modules, the load-balancing
   rule of torchtitan's optimizer pre-hook (`_update_expert_bias`: per block, bias += d - mean(d),
-  d = coeff * sign(mean(count) - count)) written out, and with `model.expert_precision = "full"`
-  the experts' SwiGLU written out per expert in float32;
+  d = coeff * sign(mean(count) - count)) written out; torchtitan's bfloat16 experts only;
 - the optimizer: torch.optim.AdamW (fused, as configured), with torchtitan's warm-up/stable/decay
   learning-rate factor transcribed, and each stage's gradient clipped on its own when it steps;
 - the stage boundaries: hard-coded for 2 stages of 4 layers, as torchtitan splits them
@@ -45,12 +44,11 @@ The rules, written out:
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import math
+import functools
 import tomllib
 import zlib
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,7 +57,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
-from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.common.param_init import skip_param_init
 from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init
 from torchtitan.models.llama3.model import Llama3Model
@@ -106,7 +103,6 @@ class Settings:
     top_k: int = 0
     moe_hidden_dim: int = 0
     load_balance_coeff: float = 0.0
-    expert_precision: str = "bfloat16"
     data_ranks: int = 1
     """The data-parallel (FSDP) degree: each data rank trains its own local batch."""
 
@@ -129,6 +125,7 @@ def read_settings(run_dir: Path, vocab_size: int) -> Settings:
     assert t["dtype"] == "float32" and t.get("global_batch_size", -1) in (-1, t["local_batch_size"] * data_ranks)
     if m["family"] == "qwen3_moe":
         assert m["weight_tying"] in ("preset", False) and m["load_balance_coeff"] > 0
+        assert m.get("expert_precision", "bfloat16") == "bfloat16", "the experts are torchtitan's bfloat16 ones"
     assert c["activation_checkpoint"]["mode"] == "none" and o["name"] in ("adamw", "muon")
     muon, ef = o["muon"], o["error_feedback"]
     if o["name"] == "muon":
@@ -143,8 +140,7 @@ def read_settings(run_dir: Path, vocab_size: int) -> Settings:
         optimizer=o["name"], adamw_lr=muon["adamw_lr"] if o["name"] == "muon" else o["lr"], momentum=muon["momentum"],
         nesterov=muon["nesterov"], ns_steps=muon["ns_steps"], error_feedback=ef["coefficient"] if ef["enabled"] else None,
         family=m["family"], num_experts=m.get("num_experts", 0), top_k=m.get("top_k", 0), moe_hidden_dim=m.get("moe_hidden_dim", 0),
-        load_balance_coeff=m.get("load_balance_coeff", 0.0), expert_precision=m.get("expert_precision", "bfloat16"),
-        data_ranks=data_ranks,
+        load_balance_coeff=m.get("load_balance_coeff", 0.0), data_ranks=data_ranks,
     )
 
 
@@ -191,21 +187,6 @@ def document_mask(positions: torch.Tensor) -> torch.Tensor:
     return ((document.unsqueeze(2) == document.unsqueeze(1)) & causal).unsqueeze(1)
 
 
-class Float32Experts(GroupedExperts):
-    """torchtitan's grouped SwiGLU experts, w2(silu(w1 x) * w3 x) on each expert's rows, with the
-    matmuls written out per expert in the tokens' dtype (torchtitan's own cast to bfloat16):
-    what `model.expert_precision = "full"` configures."""
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(GroupedExperts.Config):
-        pass
-
-    def forward(self, x, num_tokens_per_expert):
-        outputs = [F.linear(F.silu(F.linear(rows, w1)) * F.linear(rows, w3), w2) for rows, w1, w2, w3 in zip(
-            x.split(num_tokens_per_expert.tolist()), self.w1_EFD, self.w2_EDF, self.w3_EFD)]
-        return torch.cat(outputs) if outputs else x[:0]
-
-
 def build_moe_model(settings: Settings) -> nn.Module:
     """torchtitan's Qwen3 MoE at the run's sizes (every block an MoE block, fused wqkv, head_dim =
     dim / n_heads, softmax top-k routing with torchtitan's defaults), this module's attention."""
@@ -217,10 +198,6 @@ def build_moe_model(settings: Settings) -> nn.Module:
         rope=CosSinRoPE.Config(dim=dim // heads, max_seq_len=131072, theta=settings.rope_theta))
     for layer in layers:
         layer.moe.load_balance_coeff = settings.load_balance_coeff
-        if settings.expert_precision == "full":
-            inner = layer.moe.routed_experts.inner_experts
-            layer.moe.routed_experts.inner_experts = Float32Experts.Config(
-                **{f.name: getattr(inner, f.name) for f in dataclasses.fields(inner)})
     config = Qwen3Model.Config(
         vocab_size=vocab, dim=dim, norm=_qwen3_norm(dim), enable_weight_tying=False,
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_QWEN3_EMBEDDING_INIT),

@@ -114,7 +114,7 @@ def test_2bw_moe_equals_the_independent_reference(tmp_path):
     the losses, follows."""
     run = pipelined(tmp_path / "run", *MOE, "parallelism.pipeline_parallel_schedule=PipeDream2BW")
     settings, batches, weights = reference_inputs(run)
-    assert settings.family == "qwen3_moe" and settings.expert_precision == "bfloat16"
+    assert settings.family == "qwen3_moe"
     biases = [k for k in weights if k.endswith("expert_bias_E")]
     assert len(biases) == 4 and all(weights[k].abs().max() > 0 for k in biases)
     update_of_step = lambda step: step
