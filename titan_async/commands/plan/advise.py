@@ -16,9 +16,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from titan_async.commands.plan.estimate import Cluster
+from titan_async.commands.plan.estimate import Cluster, check_world_size
 from titan_async.config.run_config import RunConfig
 from titan_async.core.errors import UserError
+from titan_async.pipeline.config import accumulation_steps
 from titan_async.pipeline.schedules import STREAMING_SCHEDULES
 
 
@@ -40,8 +41,9 @@ def at_gpu_count(run: RunConfig, sequences: int, gpus: int) -> RunConfig | str:
 def advise(run: RunConfig, cluster: Cluster, gpu_counts: list[int], simulate: Callable[[RunConfig, Cluster], dict]) -> dict[str, Any]:
     """Every schedule's simulated tokens/s at each of `gpu_counts` for the global batch `run` has
     on `cluster`; `simulate(run, cluster)` is a plan with its "simulation"."""
-    base = simulate(run, cluster)
-    sequences = base["layout"]["tokens_per_step"] // run.training.seq_len
+    check_world_size(run, cluster)
+    data_ranks = run.data_parallel_degree(cluster.world_size)
+    sequences = run.training.local_batch_size * data_ranks * accumulation_steps(run.training, data_ranks)
     points, skipped = [], []
     for gpus in gpu_counts:
         if gpus % cluster.gpus_per_node and gpus > cluster.gpus_per_node:
@@ -74,7 +76,7 @@ def advise(run: RunConfig, cluster: Cluster, gpu_counts: list[int], simulate: Ca
             "recommended": max(fitting, key=fitting.get) if fitting else None,
             "config_schedule_fits": plan["fits"],
         })
-    return {"sequences_per_step": sequences, "tokens_per_step": base["layout"]["tokens_per_step"],
+    return {"sequences_per_step": sequences, "tokens_per_step": sequences * run.training.seq_len,
             "points": points, "skipped": skipped}
 
 
