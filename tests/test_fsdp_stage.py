@@ -43,10 +43,15 @@ def _reference_grads(reference: nn.Module, microbatches: list[int]) -> dict[str,
     return {name: p.grad.clone() for name, p in reference.named_parameters()}
 
 
-def _worker(rank: int, init_file: str) -> None:
+def _join(rank: int, init_file: str) -> None:
+    """A worker process's start: CPU, one thread, rank `rank` of a 2-rank gloo group."""
     platform.configure()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+
+
+def _worker(rank: int, init_file: str) -> None:
+    _join(rank, init_file)
     try:
         torch.manual_seed(0)
         reference = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
@@ -133,9 +138,7 @@ def step(params: list[torch.Tensor]) -> None:
 
 
 def _version_worker(rank: int, init_file: str) -> None:
-    platform.configure()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    _join(rank, init_file)
     try:
         torch.manual_seed(0)
         reference = nn.Sequential(nn.Linear(8, 15), nn.Tanh(), nn.Linear(15, 3))
