@@ -359,11 +359,16 @@ class StageOptimizer:
         self.previous = {id(p): torch.zeros_like(p) for p in self.params}
         self.updates = 0
         self.norms: list[float] = []
+        self.lagged: LaggedGlobalClip | None = None
+        """Set: clip by the global norm of an earlier update instead of the stage's own."""
 
     @torch.no_grad()
     def step(self, lr_step: int) -> None:
         settings = self.settings
-        norm = torch.nn.utils.clip_grad_norm_(self.params, settings.max_norm, foreach=True)
+        if self.lagged is None:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, settings.max_norm, foreach=True)
+        else:
+            norm = self.lagged.clip(self.params, self.updates + 1)
         self.norms.append(float(norm))
         factor = lr_factor(settings, lr_step)
         updates = []  # (param, u, already applied)
@@ -413,6 +418,31 @@ class Result:
         return math.sqrt(sum(stage[update - 1] ** 2 for stage in self.norms))
 
 
+class LaggedGlobalClip:
+    """`training.clipping = "lagged_global"`: update u of every stage, applying a batch fed at step
+    t = step_of_update(u), has its gradient scaled by max_norm / (G + 1e-6) where that is below 1,
+    G the global norm the row of step t - lag logs (the norm of update update_of_row(t - lag) over
+    every stage); before step lag + 1 each stage clips to max_norm / sqrt(stages) on its own."""
+
+    def __init__(self, settings: Settings, optimizers: list[StageOptimizer], step_of_update, update_of_row, lag: int = 3) -> None:
+        self.max_norm, self.optimizers, self.lag = settings.max_norm, optimizers, lag
+        self.step_of_update, self.update_of_row = step_of_update, update_of_row
+        for optimizer in optimizers:
+            optimizer.lagged = self
+
+    def clip(self, params: list[nn.Parameter], update: int) -> torch.Tensor:
+        row = self.step_of_update(update) - self.lag
+        if row < 1:
+            return torch.nn.utils.clip_grad_norm_(params, self.max_norm / math.sqrt(len(self.optimizers)), foreach=True)
+        norm = torch.nn.utils.clip_grad_norm_(params, math.inf, foreach=True)
+        update = self.update_of_row(row)  # 0: no update yet, a zero norm
+        known = math.sqrt(sum(o.norms[update - 1] ** 2 for o in self.optimizers)) if update else 0.0
+        if self.max_norm / (known + 1e-6) < 1:
+            for param in params:
+                param.grad.mul_(self.max_norm / (known + 1e-6))
+        return norm
+
+
 def one_thread(train):
     """Run `train` on one intra-op thread: on a busy 2-core machine this tiny model's matmuls take
     milliseconds each on two threads and microseconds on one."""
@@ -448,18 +478,22 @@ def balance_load(model: nn.Module, counts: torch.Tensor, coeff: float) -> None:
 
 @one_thread
 def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "exact", bias_counts: str = "delayed",
-           **optimizer_options) -> Result:
+           lagged_clip: int | None = None, **optimizer_options) -> Result:
     """W[k+1] = W[k] - Opt(grad f_k(W[k-1])), W[-1] = W[0]; each stage clips its own gradient.
     With experts the biases are part of W and move by the load-balancing rule from the counts of
     batch k routed at W[k-1] (the microbatches whose gradient the update applies).
     Controls: "stale" applies the update to W[k-1]; "no_delay" takes the gradient at W[k];
     `bias_counts="next"` moves the biases by the counts of batch k+1 routed at W[k] (the batch
     the pipeline is forwarding when it steps; none after the last);
-    `optimizer_options` (StageOptimizer's `error_feedback`, `whole_qkv`) change the optimizer."""
+    `optimizer_options` (StageOptimizer's `error_feedback`, `whole_qkv`) change the optimizer;
+    `lagged_clip` = lag clips by the global norm logged that many steps earlier (`LaggedGlobalClip`:
+    update u applies the batch fed at step u, and the row of step t logs update t)."""
     model = build_model(settings)  # holds W[k]
     previous = copy.deepcopy(model)  # holds W[k-1]
     head_dim = settings.dim // settings.n_heads
     optimizers = [StageOptimizer(named, settings, head_dim, **optimizer_options) for named in stage_params(model)]
+    if lagged_clip:
+        LaggedGlobalClip(settings, optimizers, lambda update: update, lambda row: row, lagged_clip)
     moe = settings.family == "qwen3_moe"
     losses = {}
     for k, batch in enumerate(batches):
@@ -546,16 +580,20 @@ class ForwardTimeValues:
 
 @one_thread
 def paci(settings: Settings, batches: list[list[Microbatch]], drains: set[int], late: int = 0,
-         backward_weights: str = "current") -> Result:
+         backward_weights: str = "current", lagged_clip: int | None = None) -> Result:
     """PACI on 2 stages: stage s keeps 1 - s microbatches in flight and steps after every `a` of
     its backwards, the stream drained after the steps in `drains`. Update u of a stage runs at
     the lr of scheduler step floor((u - 1) a / m). Controls: `late` steps that many backwards
     later; `backward_weights="forward"` runs a backward that crossed a local step at the
-    forward's weights (a stash, as PipeDream keeps), not the current ones."""
+    forward's weights (a stash, as PipeDream keeps), not the current ones. `lagged_clip` as in
+    `two_bw`: update u covers microbatches [(u - 1) a, u a), so it applies a batch fed at step
+    floor((u a - 1) / m) + 1, and the row of step t logs update floor(t m / a)."""
     a, m = settings.accumulation or settings.microbatches, settings.microbatches
     model = build_model(settings)
     stages = [Stage(model, 0), Stage(model, 1)]
     optimizers = [StageOptimizer(named, settings, settings.dim // settings.n_heads) for named in stage_params(model)]
+    if lagged_clip:
+        LaggedGlobalClip(settings, optimizers, lambda update: (update * a - 1) // m + 1, lambda row: row * m // a, lagged_clip)
     mixed = ForwardTimeValues(model)
     counts, updates = [0, 0], [0, 0]
     names = [name for name, _ in model.named_parameters() if stage_of(name) == 0]

@@ -8,12 +8,15 @@ test's controls (a plausible wrong rule) must not.
 `training.max_norm = 0.1` makes the last stage clip (its gradient norm is about 0.3) while the
 first does not (about 0.05): a global clip would differ. The checkpoint at step 3 drains the
 stream mid-run. PipeDream2BW also runs on PP 2 x FSDP 2 (4 processes; the reference joins both
-data ranks' batches) and with torchtitan's Qwen3 MoE (expert biases and their load balancing)."""
+data ranks' batches) and with torchtitan's Qwen3 MoE (expert biases and their load balancing);
+both schedules also under `training.clipping = "lagged_global"`, and 2BW, dense and MoE, with
+validation at every step (which must not reach training)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 import independent_reference as ref
@@ -81,6 +84,39 @@ def test_2bw_with_muon_and_error_feedback_equals_the_independent_reference(tmp_p
     assert_different(differences(run, weights, ref.two_bw(settings, batches, whole_qkv=True), update_of_step))
 
 
+def test_2bw_lagged_global_clipping_and_its_resume_equal_the_independent_reference(tmp_path):
+    """`training.clipping = "lagged_global"` with max_norm = 0.1 (the global norm is about 0.3, so
+    every update from step 4 on is scaled, on both stages alike): the run stops at the step-3
+    checkpoint and is resumed, so the lagged norms must come back from the checkpoint. Controls:
+    the per-stage clipping, and the norm of one step later than the run may know."""
+    lagged = ("parallelism.pipeline_parallel_schedule=PipeDream2BW", "training.clipping=lagged_global",
+              f"lr_scheduler.total_steps={STEPS}")
+    run = pipelined(tmp_path / "run", *lagged, "training.steps=3")
+    run_cli("resume", "--run-dir", str(run), *sets(f"training.steps={STEPS}"), env={"TITAN_ASYNC_BATCH_LOG": str(run / "batches")})
+    settings, batches, weights = reference_inputs(run)
+    update_of_step = lambda step: step
+    assert_equal(differences(run, weights, ref.two_bw(settings, batches, lagged_clip=3), update_of_step))
+    per_stage = differences(run, weights, ref.two_bw(settings, batches), update_of_step)
+    print("control:", per_stage)  # AdamW hardly sees a gradient's scale: the losses of steps 4-6 move by ~1e-4
+    assert per_stage["loss"] > 3e-5 and per_stage["grad_norm"] > 1e-4 and per_stage["weights"] > 1e-2, per_stage
+    assert_different(differences(run, weights, ref.two_bw(settings, batches, lagged_clip=2), update_of_step))
+
+
+def test_paci_lagged_global_clipping_equals_the_independent_reference(tmp_path):
+    """PACI (a = 3 of m = 8) under lagged global clipping: an update is scaled by the norm logged
+    three steps before the step that fed its last microbatch (stage 0's updates cross batches).
+    Controls: per-stage clipping, and a lag of 2."""
+    a, m = 3, 8
+    run = pipelined(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PACI", f"parallelism.paci.accumulation={a}",
+                    "training.clipping=lagged_global")
+    settings, batches, weights = reference_inputs(run)
+    drains = ref.drain_steps(run)
+    update_of_step = lambda step: step * m // a
+    assert_equal(differences(run, weights, ref.paci(settings, batches, drains, lagged_clip=3), update_of_step))
+    assert_different(differences(run, weights, ref.paci(settings, batches, drains), update_of_step))
+    assert_different(differences(run, weights, ref.paci(settings, batches, drains, lagged_clip=2), update_of_step))
+
+
 def test_the_independent_reference_imports_nothing_from_titan_async():
     assert "titan_async" not in Path(ref.__file__).read_text()
 
@@ -120,6 +156,20 @@ def test_2bw_moe_equals_the_independent_reference(tmp_path):
     update_of_step = lambda step: step
     assert_equal(differences(run, weights, ref.two_bw(settings, batches), update_of_step))
     assert_different(differences(run, weights, ref.two_bw(settings, batches, bias_counts="next"), update_of_step))
+
+
+@pytest.mark.parametrize("model", [(), MOE], ids=["dense", "moe"])
+def test_validation_every_step_leaves_2bw_equal_to_the_independent_reference(tmp_path, model):
+    """Validation at every step (each drains the stream and runs forwards at the latest weights,
+    MoE routing included) must leave training as the reference, which never validates, has it:
+    no RNG draw, expert count or weight version of validation may reach a training step."""
+    run = pipelined(tmp_path / "run", *model, "parallelism.pipeline_parallel_schedule=PipeDream2BW",
+                    "validation.enable=true", "validation.freq=1")
+    assert sorted(metrics(run, "validation")) == list(range(1, STEPS + 1))
+    settings, batches, weights = reference_inputs(run)
+    update_of_step = lambda step: step
+    assert_equal(differences(run, weights, ref.two_bw(settings, batches), update_of_step))
+    assert_different(differences(run, weights, ref.two_bw(settings, batches, variant="stale"), update_of_step))
 
 
 def test_2bw_with_fsdp_equals_the_independent_reference(tmp_path):

@@ -134,6 +134,7 @@ def test_split_backward_schedules_turn_off_donated_buffers(monkeypatch):
         ("parallelism.pipeline_parallel_microbatch_size=8", "needs at least as many microbatches per step as stages"),
         ("parallelism.paci.accumulation=0", "parallelism.paci.accumulation must be >= 1, got 0"),
         ("training.gradient_delay=2", "training.gradient_delay must be 0 or 1, got 2"),
+        ("training.clipping=global", "training.clipping must be one of 'per_stage', 'lagged_global', got 'global'"),
         ("checkpoint.async_mode=async", "checkpoint.async_mode = 'async' cannot run with PipeDream2BW"),
         ("checkpoint.async_mode=async_with_pinned_mem", "checkpoint.async_mode = 'async_with_pinned_mem' cannot run with"),
     ],
@@ -147,6 +148,17 @@ def test_bad_schedule_settings(capsys, tmp_path, assignment, message):
                   "--run-dir", str(tmp_path / "run"), *sets(f"parallelism.pipeline_parallel_schedule={schedule}", assignment)])
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+
+
+def test_lagged_global_clipping_is_refused_where_a_step_has_its_global_norm(capsys, tmp_path):
+    from titan_async import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--nproc-per-node", "2",
+                  "--run-dir", str(tmp_path / "run"), *sets("parallelism.pipeline_parallel_schedule=1F1B", "training.clipping=lagged_global")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "training.clipping = 'lagged_global' is for the streaming schedules" in err, err
+    assert len(err.splitlines()) == 1, err
 
 
 def test_streaming_schedule_rejects_context_parallel_stages(capsys, tmp_path):

@@ -28,6 +28,7 @@ ACTIVATION_CHECKPOINTS = {"none": None, "selective": SelectiveAC.Config, "full":
 RESUME_REFUSES = {
     **{key: reason for key, reason in ON_RESUME.items() if reason},
     "training.gradient_delay": "the checkpoints hold a second weight version, or none",
+    "training.clipping": "the checkpoints hold the global norms lagged clipping needs, or none",
 }
 """The keys whose change resume refuses, and why: those that decide which states a checkpoint holds."""
 
@@ -51,6 +52,7 @@ def checkpoint_contents(run: RunConfig) -> dict[str, object]:
     return {
         **{key: attrgetter(key)(run) for key, reason in ON_RESUME.items() if reason},
         "parallelism.pipeline_parallel_schedule/pipeline_parallel_degree/emulated_stages, training.gradient_delay": versions,
+        "training.clipping": run.training.clipping,
     }
 
 

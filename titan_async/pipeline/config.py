@@ -33,16 +33,27 @@ class PipelineParallelism(ParallelismConfig):
     paci: PACISection = field(default_factory=PACISection)
 
 
+CLIPPING_MODES = ("per_stage", "lagged_global")
+
+
 @dataclass(kw_only=True, slots=True)
 class DelayTraining(TrainingConfig):
     """torchtitan's training settings plus the delayed-gradient reference."""
 
     gradient_delay: int = 0
     """1: train without pipeline parallelism on the 2BW rule W[k+1] = W[k] - Opt(grad f(W[k-1]))."""
+    clipping: str = "per_stage"
+    """How the streaming schedules apply `max_norm` (synchronous ones clip the global norm, as
+    torchtitan does): "per_stage", each stage clips its own gradient to max_norm; "lagged_global",
+    every stage scales the update applying the batch of step t by min(1, max_norm / G), G the
+    global norm logged at step t - 3 (the latest every stage knows without waiting), and clips its
+    own gradient to max_norm / sqrt(stages) until such a norm exists."""
 
     def __post_init__(self) -> None:
         if self.gradient_delay not in (0, 1):
             raise ValueError(f"training.gradient_delay must be 0 or 1, got {self.gradient_delay}")
+        if self.clipping not in CLIPPING_MODES:
+            raise ValueError(f"training.clipping must be one of {', '.join(map(repr, CLIPPING_MODES))}, got {self.clipping!r}")
 
 
 def microbatches(training: TrainingConfig, parallelism: PipelineParallelism) -> int:
@@ -72,6 +83,9 @@ def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism, da
     if training.gradient_delay and parallelism.pipeline_parallel_degree > 1:
         return "training.gradient_delay = 1 is the single-process reference; with pipeline_parallel_degree > 1 use pipeline_parallel_schedule = \"PipeDream2BW\""
     schedule = streaming_schedule(name)
+    if training.clipping == "lagged_global" and schedule is None:
+        return (f"training.clipping = 'lagged_global' is for the streaming schedules (PipeDream2BW, PACI); {key} "
+                "clips each step's global norm (torchtitan's rule): leave training.clipping = 'per_stage'")
     if parallelism.emulated_stages and schedule is None:
         return f"parallelism.emulated_stages = {parallelism.emulated_stages} emulates a streaming schedule (PipeDream2BW or PACI), not {name!r}"
     if schedule is None:

@@ -72,6 +72,10 @@ class OneStepDelay:
         """The number (1-based, as `updates` counts) of the update that applies batch `batch`."""
         return batch + 1
 
+    def step_of_update(self, update: int) -> int:
+        """The step (1-based) that fed the batch update `update` applies."""
+        return update
+
     def gathered_copy_bytes(self) -> int:
         """Bytes of gathered (unsharded) weights kept beyond FSDP's own."""
         return 0
@@ -343,6 +347,10 @@ class LocalAccumulation:
         microbatches all belong to batches up to `batch`: update u covers microbatches
         [(u - 1) a, u a) on every stage."""
         return (batch + 1) * self.microbatches // self.accumulation
+
+    def step_of_update(self, update: int) -> int:
+        """The step (1-based) that fed the batch holding update `update`'s last microbatch."""
+        return (update * self.accumulation - 1) // self.microbatches + 1
 
     def extra_bytes(self) -> int:
         """No weight copies: PACI keeps only the live parameters."""

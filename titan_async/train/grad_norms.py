@@ -1,5 +1,6 @@
 """The metrics of the streaming schedules that need every stage: the global gradient norm and
-each stage's staleness, summed over the pipeline ranks off the critical path."""
+each stage's staleness, summed over the pipeline ranks off the critical path; and clipping by
+a global norm known without waiting for it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torchtitan.distributed import utils as dist_utils
 
 from titan_async.train.late_read import LateAllReduce
 
@@ -54,3 +56,54 @@ class StageGradNorms:
         squares, rest = summed[:self.stages], summed[self.stages:]
         values = [rest[i:i + self.stages] for i in range(0, len(rest), self.stages)]
         return math.sqrt(sum(squares)), [math.sqrt(s) for s in squares], values
+
+
+class LaggedGlobalClipping:
+    """`training.clipping = "lagged_global"`: a global threshold with no barrier.
+
+    The update applying the batch fed at step t is scaled on every stage by
+    min(1, max_norm / (G + 1e-6)) (torch's clipping factor), G the global norm logged at step t - LAG: rows are read two
+    steps after their own (`StreamingSteps._log_rows`), and a stage applies a batch at the
+    latest one window after it was fed, so that row is known to every stage by then, and each
+    stage's share of an update gets the same factor. Until a row exists (the first LAG steps)
+    or while it is not finite (a skipped update), each stage clips its own gradient to
+    max_norm / sqrt(stages), which holds the global norm under max_norm. The rows still needed
+    after a drain are checkpointed (`state_dict`), so resume is exact."""
+
+    LAG = 3
+
+    def __init__(self, max_norm: float, stages: int) -> None:
+        self.max_norm, self.stages = max_norm, stages
+        self.norms: dict[int, float] = {}
+        """step -> the global norm logged at that step, for the last LAG + 1 steps."""
+
+    def record(self, step: int, norm: float) -> None:
+        """Step `step`'s global norm is known on every rank."""
+        self.norms[step] = norm
+        for older in [s for s in self.norms if s < step - self.LAG]:
+            del self.norms[older]
+
+    def clip(self, params: list[torch.Tensor], step: int, ep_enabled: bool) -> torch.Tensor:
+        """Scale the gradients of `params`, one stage's share of the update applying the batch
+        fed at `step`; returns their norm before scaling."""
+        source = step - self.LAG
+        if source >= 1 and source not in self.norms:
+            raise RuntimeError(f"the global norm of step {source} is not known at step {step}'s update")
+        known = self.norms.get(source, math.nan)
+        if not math.isfinite(known):
+            return dist_utils.clip_grad_norm_(params, self.max_norm / math.sqrt(self.stages), foreach=True, ep_enabled=ep_enabled)
+        norm = dist_utils.clip_grad_norm_(params, math.inf, foreach=True, ep_enabled=ep_enabled)
+        factor = self.max_norm / (known + 1e-6)
+        if factor < 1:  # a host number: no transfer, no wait
+            for param in params:
+                if param.grad is not None:
+                    param.grad.mul_(factor)
+        return norm
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """[LAG + 1, 2]: (step, norm) rows, padded with step 0 (a fixed shape, as DCP loads in place)."""
+        rows = sorted(self.norms.items()) + [(0, math.nan)] * (self.LAG + 1 - len(self.norms))
+        return {"steps_and_norms": torch.tensor(rows, dtype=torch.float64)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.norms = {int(step): norm for step, norm in state["steps_and_norms"].tolist() if step >= 1}

@@ -23,7 +23,7 @@ from titan_async.pipeline.trace import Timeline
 from titan_async.pipeline.transport import LocalTransport
 from titan_async.pipeline.versions import LocalAccumulation, OneStepDelay, make_policy
 from titan_async.train.checkpoint_state import policy_names
-from titan_async.train.grad_norms import StageGradNorms
+from titan_async.train.grad_norms import LaggedGlobalClipping, StageGradNorms
 from titan_async.train.health import skips_on_device
 
 
@@ -31,13 +31,15 @@ class StreamingSteps:
     """One window per step, drained before checkpoints, validation and the end.
 
     Each stage steps on its own when its policy completes an update: it moves its MoE biases,
-    clips its own gradient to `training.max_norm` (there is no global synchronisation point)
-    and steps its optimizers, the health check deciding on the device where it can.
+    clips its gradient (there is no global synchronisation point: to `training.max_norm` on its
+    own, or by a global norm logged three steps earlier, `LaggedGlobalClipping`) and steps its
+    optimizers, the health check deciding on the device where it can.
     `policies` and `balances` hold each local stage's weight policy and load balance.
 
     A logging step's metrics row waits for the global gradient norm of the update that applied
     its batch (`StageGradNorms`): summed a step after every stage made that update and read a
-    step later, so the row of step t is logged at step t + 2, or at the next drain. The row also
+    step later, so the row of step t is logged at step t + 2, or at the next drain (with lagged
+    global clipping every step has a row, logged or not, for its norm). The row also
     holds each stage's norm and its delays since the previous row (`_take_staleness`): their mean
     (staleness/stage<s>) and largest (staleness_max/stage<s>)."""
 
@@ -51,10 +53,15 @@ class StreamingSteps:
         self.policies = self._emulate_stages() if emulated else self._attach_to_schedule()
         self._balance_expert_load()
         self.grad_norms = self._grad_norms(emulated)
+        config = trainer.config
+        self.lagged_clipping = None
+        if config.training.clipping == "lagged_global":
+            self.lagged_clipping = LaggedGlobalClipping(config.training.max_norm, self.grad_norms.stages)
+            if trainer.checkpointer.enable:
+                trainer.checkpointer.states["lagged_global_norms"] = self.lagged_clipping
         self.delays_since_record = {executor.stage: [] for executor in self.stream.executors}
         self.delays_since_row = {executor.stage: [] for executor in self.stream.executors}
-        config = trainer.config
-        notice = clipping_notice(config.training.max_norm, self.grad_norms.stages)
+        notice = clipping_notice(config.training.max_norm, self.grad_norms.stages, config.training.clipping)
         logger.info(notice)
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(notice, flush=True)
@@ -161,10 +168,12 @@ class StreamingSteps:
         params = [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
         on_device = all(skips_on_device(optimizer) for optimizer in optimizers)
         found_inf = trainer.health.found_nonfinite(trainer.step, stage, params, group=self.stage_group) if on_device else None
-        norm = None
+        norm, ep_enabled = None, trainer.parallel_dims.ep_enabled
         if on_device or trainer.health.allow_update(trainer.step, stage, params, group=self.stage_group):
-            norm = dist_utils.clip_grad_norm_(
-                params, trainer.config.training.max_norm, foreach=True, ep_enabled=trainer.parallel_dims.ep_enabled)
+            if self.lagged_clipping:
+                norm = self.lagged_clipping.clip(params, policy.step_of_update(policy.updates), ep_enabled)
+            else:
+                norm = dist_utils.clip_grad_norm_(params, trainer.config.training.max_norm, foreach=True, ep_enabled=ep_enabled)
             for optimizer in optimizers:
                 optimizer.found_inf = found_inf
                 optimizer.step()
@@ -212,6 +221,8 @@ class StreamingSteps:
             if trainer.metrics_processor.should_log(trainer.step):
                 extra = {**lr_metrics, **({"pipeline/bubble": bubble} if bubble is not None else {})}
                 self.rows.append(self._row(losses, local_valid_tokens, global_valid_tokens, extra))
+            elif self.lagged_clipping:
+                self.rows.append(_Row(trainer.step, self._policy().update_of_batch(trainer.step - 1), None, [{}, {}]))
             if self._must_drain():
                 self.drain()
             else:
@@ -221,13 +232,16 @@ class StreamingSteps:
              extra: dict) -> _Row:
         """This step's metrics, waiting for the global norm of the update that applies its batch."""
         loss, max_loss, tokens = self._step_metrics(losses, local_valid_tokens, global_valid_tokens)
-        policy = next(iter(self.policies.values()))[0]
         step = self.trainer.step
         row = self.trainer.metrics_processor.hold(step, loss, max_loss, {"n_tokens_seen": int(tokens), **extra})
         delays = self.delays_since_row
         self.delays_since_row = {stage: [] for stage in delays}
         staleness = [{s: sum(d) / len(d) for s, d in delays.items() if d}, {s: max(d) for s, d in delays.items() if d}]
-        return _Row(step, policy.update_of_batch(step - 1), row, staleness)
+        return _Row(step, self._policy().update_of_batch(step - 1), row, staleness)
+
+    def _policy(self):
+        """A local stage's weight policy (every stage numbers updates and batches alike)."""
+        return next(iter(self.policies.values()))[0]
 
     def _log_rows(self, drained: bool) -> None:
         """Log each waiting row whose norm was started at an earlier step; start the norms of
@@ -237,12 +251,16 @@ class StreamingSteps:
         for row in self.rows:
             if row.started_at is not None and (row.started_at < step or drained):
                 norm, stage_norms, (mean, worst) = self.grad_norms.read(row.step)
+                if self.lagged_clipping:
+                    self.lagged_clipping.record(row.step, norm)
+                logged += 1
+                if row.metrics is None:
+                    continue
                 stages = {}
                 for s in range(self.grad_norms.stages):
                     stages.update({f"grad_norm/stage{s}": stage_norms[s], f"staleness/stage{s}": mean[s],
                                    f"staleness_max/stage{s}": worst[s]})
                 self.trainer.metrics_processor.write_held(row.step, row.metrics, norm, stages)
-                logged += 1
             elif row.started_at is None and (row.step < step or drained):
                 self.grad_norms.start(row.step, row.update, row.staleness)
                 row.started_at = step
@@ -334,13 +352,20 @@ class StreamingSteps:
         return sum(delays) / len(delays) if delays else 0.0
 
 
-def clipping_notice(max_norm: float, stages: int) -> str:
+def clipping_notice(max_norm: float, stages: int, mode: str) -> str:
     """What clipping and loss normalisation a streaming run has, in one line."""
-    return (f"gradient clipping: each of the {stages} stages clips its own gradient to training.max_norm = {max_norm:g} "
-            f"when it steps (no global norm exists at that moment): the whole model's gradient is held under "
-            f"sqrt({stages}) x {max_norm:g} = {max_norm * stages ** 0.5:.4g}; the logged grad_norm is the global norm "
-            f"of the update before clipping. Loss: the mean over every token of the batch, each microbatch's sum "
-            f"divided by the batch's valid tokens over all data ranks (as torchtitan's)")
+    if mode == "lagged_global":
+        clipping = (f"gradient clipping (training.clipping = 'lagged_global'): every stage scales the update applying "
+                    f"step t's batch by min(1, training.max_norm / G) with max_norm = {max_norm:g} and G the global norm "
+                    f"logged at step t - {LaggedGlobalClipping.LAG} (no stage waits for the current one); until then each "
+                    f"of the {stages} stages clips its own gradient to max_norm / sqrt({stages}) = {max_norm / stages ** 0.5:.4g}")
+    else:
+        clipping = (f"gradient clipping (training.clipping = 'per_stage'): each of the {stages} stages clips its own gradient "
+                    f"to training.max_norm = {max_norm:g} when it steps (no global norm exists at that moment): the whole "
+                    f"model's gradient is held under sqrt({stages}) x {max_norm:g} = {max_norm * stages ** 0.5:.4g} "
+                    f"(training.clipping = 'lagged_global' clips by a global norm three steps old)")
+    return (f"{clipping}; the logged grad_norm is the global norm of the update before clipping. Loss: the mean over every "
+            f"token of the batch, each microbatch's sum divided by the batch's valid tokens over all data ranks (as torchtitan's)")
 
 
 @dataclass
@@ -349,8 +374,8 @@ class _Row:
 
     step: int
     update: int
-    metrics: dict
-    """The row as `RunMetrics.hold` measured it."""
+    metrics: dict | None
+    """The row as `RunMetrics.hold` measured it; None for a step that is not logged."""
     staleness: list[dict[int, float]]
     """Each local stage's mean and largest delay since the previous row."""
     started_at: int | None = None

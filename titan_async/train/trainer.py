@@ -9,8 +9,9 @@
   (`StreamingSteps`: one window per step, drained before checkpoints, validation and the end).
 
 Gradient clipping: synchronous schedules clip the global norm (torchtitan). Streaming
-schedules have no global synchronisation point, so each stage clips its own gradient
-to `training.max_norm` when it steps; the logged norm is the last stage's.
+schedules have no global synchronisation point: each stage clips its own gradient to
+`training.max_norm` when it steps, or by a global norm three steps old
+(`training.clipping`); the logged norm is the global one (`StreamingSteps`).
 """
 
 from __future__ import annotations
