@@ -400,6 +400,13 @@ class StageOptimizer:
         for param in self.params:
             param.grad = None
 
+    def skip(self) -> None:
+        """A skipped update: weights and optimizer state kept, the gradient dropped, norm 0."""
+        self.norms.append(0.0)
+        self.updates += 1
+        for param in self.params:
+            param.grad = None
+
 
 @dataclass
 class Result:
@@ -478,7 +485,7 @@ def balance_load(model: nn.Module, counts: torch.Tensor, coeff: float) -> None:
 
 @one_thread
 def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "exact", bias_counts: str = "delayed",
-           lagged_clip: int | None = None, **optimizer_options) -> Result:
+           lagged_clip: int | None = None, skipped: frozenset[tuple[int, int]] = frozenset(), **optimizer_options) -> Result:
     """W[k+1] = W[k] - Opt(grad f_k(W[k-1])), W[-1] = W[0]; each stage clips its own gradient.
     With experts the biases are part of W and move by the load-balancing rule from the counts of
     batch k routed at W[k-1] (the microbatches whose gradient the update applies).
@@ -487,7 +494,9 @@ def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "
     the pipeline is forwarding when it steps; none after the last);
     `optimizer_options` (StageOptimizer's `error_feedback`, `whole_qkv`) change the optimizer;
     `lagged_clip` = lag clips by the global norm logged that many steps earlier (`LaggedGlobalClip`:
-    update u applies the batch fed at step u, and the row of step t logs update t)."""
+    update u applies the batch fed at step u, and the row of step t logs update t); each (stage, u)
+    of `skipped` leaves that stage's weights and optimizer state as they are at update u (a
+    non-finite gradient: its norm counts as 0), its lr schedule and expert biases moving on."""
     model = build_model(settings)  # holds W[k]
     previous = copy.deepcopy(model)  # holds W[k-1]
     head_dim = settings.dim // settings.n_heads
@@ -523,8 +532,11 @@ def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "
             balance_load(model, counts, settings.load_balance_coeff)
         for param, source in zip(model.parameters(), at.parameters()):
             param.grad = source.grad.clone()
-        for optimizer in optimizers:
-            optimizer.step(k)
+        for stage, optimizer in enumerate(optimizers):
+            if (stage, k + 1) in skipped:
+                optimizer.skip()
+            else:
+                optimizer.step(k)
         previous.load_state_dict(latest)
     return Result(losses, weights(model), [o.norms for o in optimizers])
 

@@ -194,3 +194,21 @@ def test_2bw_with_fsdp_equals_the_independent_reference(tmp_path):
     one_rank = ref.read_batches(run / "batches", settings, data_ranks=[0])
     assert_different(differences(run, weights, ref.two_bw(settings, one_rank), update_of_step))
     assert_different(differences(run, weights, ref.two_bw(settings, batches, variant="stale"), update_of_step))
+
+
+def test_2bw_with_fsdp_skips_one_ranks_nonfinite_update_as_the_independent_reference(tmp_path):
+    """PP 2 x FSDP 2, PipeDream2BW: at step 3 only rank 3 (stage 1's second data rank) finds a NaN
+    in its gradient shard; both ranks of stage 1 must skip their update on the device (`found_inf`
+    agreed over the stage's group), stage 0 must not, and training goes on: the reference skips
+    stage 1's update 3 (weights and AdamW state kept, lr schedule moving on). Control: no skip."""
+    run = pipelined(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PipeDream2BW", "health.inject_nonfinite_steps=[3]",
+                    "health.inject_stage=1", "health.inject_rank=3", config="debug_cpu_pp2_fsdp2.toml", nproc=4)
+    logs = {rank: (run / "logs" / f"rank{rank}.log").read_text() for rank in range(4)}
+    assert "step 3: stage 1 (rank 3) has a non-finite gradient" in logs[3]
+    assert not any("non-finite" in logs[rank] for rank in (0, 1, 2))
+    settings, batches, weights = reference_inputs(run)
+    update_of_step = lambda step: step
+    found = differences(run, weights, ref.two_bw(settings, batches, skipped=frozenset({(1, 3)})), update_of_step)
+    print("reference:", found)
+    assert found["loss"] < 1e-5 and found["weights"] < 1e-5 and found["grad_norm"] < 1e-4, found  # as the FSDP test
+    assert_different(differences(run, weights, ref.two_bw(settings, batches), update_of_step))

@@ -25,6 +25,9 @@ class HealthSection:
     """Fault injection for tests: make the gradient of stage `inject_stage` NaN at these steps."""
     inject_stage: int = 0
     """Pipeline stage whose gradient `inject_nonfinite_steps` poisons."""
+    inject_rank: int = -1
+    """The one rank of that stage that poisons its gradient (its stage's other ranks must agree to
+    skip); -1: every rank of the stage."""
 
     def __post_init__(self) -> None:
         if self.max_nonfinite_steps < 0:
@@ -84,7 +87,8 @@ class HealthGuard:
     def _grads(self, step: int, stage: int, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """The local gradients of `params`, poisoned first where `inject_nonfinite_steps` says so."""
         grads = _local_grads(params)
-        if step in self.section.inject_nonfinite_steps and stage == self.section.inject_stage and grads:
+        injected = step in self.section.inject_nonfinite_steps and stage == self.section.inject_stage
+        if injected and self.section.inject_rank in (-1, dist.get_rank() if dist.is_initialized() else 0) and grads:
             grads[0].fill_(float("nan"))
         return grads
 
