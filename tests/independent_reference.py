@@ -303,6 +303,17 @@ def read_batches(batch_log: Path, settings: Settings, data_ranks: list[int] | No
              for log in logs for i in range(t * b, (t + 1) * b, size)] for t in range(n)]
 
 
+def side_by_side(batches: list[list[Microbatch]], data_ranks: int) -> list[list[Microbatch]]:
+    """Each batch's microbatches with the data ranks' i-th ones joined into one (along the batch
+    dimension): what a stage's data ranks run at once, for rules that count microbatches (PACI)."""
+    joined = []
+    for batch in batches:
+        ranks = [batch[d * len(batch) // data_ranks:(d + 1) * len(batch) // data_ranks] for d in range(data_ranks)]
+        joined.append([Microbatch(*(torch.cat([getattr(mb, f) for mb in same]) for f in ("tokens", "positions", "labels")))
+                       for same in zip(*ranks)])
+    return joined
+
+
 # --- losses, optimizers ----------------------------------------------------------------------------
 
 def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -212,3 +212,23 @@ def test_2bw_with_fsdp_skips_one_ranks_nonfinite_update_as_the_independent_refer
     print("reference:", found)
     assert found["loss"] < 1e-5 and found["weights"] < 1e-5 and found["grad_norm"] < 1e-4, found  # as the FSDP test
     assert_different(differences(run, weights, ref.two_bw(settings, batches), update_of_step))
+
+
+def test_paci_with_fsdp_equals_the_independent_reference(tmp_path):
+    """PP 2 x FSDP 2, PACI (a = 3 of m = 8 per data rank): a local step reduces the stage's
+    gradients over both data ranks, so the reference's microbatch i is both data ranks' i-th
+    microbatch side by side (`side_by_side`). Gradient norms at 1e-4 as under FSDP above.
+    Controls: one backward late, and data rank 0's batches alone."""
+    a, m = 3, 8
+    run = pipelined(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PACI", f"parallelism.paci.accumulation={a}",
+                    config="debug_cpu_pp2_fsdp2.toml", nproc=4)
+    settings, batches, weights = reference_inputs(run)
+    assert settings.data_ranks == 2 and settings.microbatches == m
+    drains, joined = ref.drain_steps(run), ref.side_by_side(batches, settings.data_ranks)
+    update_of_step = lambda step: step * m // a
+    found = differences(run, weights, ref.paci(settings, joined, drains), update_of_step)
+    print("reference:", found)
+    assert found["loss"] < 1e-5 and found["weights"] < 1e-5 and found["grad_norm"] < 1e-4, found
+    assert_different(differences(run, weights, ref.paci(settings, joined, drains, late=1), update_of_step))
+    one_rank = ref.read_batches(run / "batches", settings, data_ranks=[0])
+    assert_different(differences(run, weights, ref.paci(settings, one_rank, drains), update_of_step))
