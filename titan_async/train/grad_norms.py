@@ -61,11 +61,11 @@ class StageGradNorms:
 class LaggedGlobalClipping:
     """`training.clipping = "lagged_global"`: a global threshold with no barrier.
 
-    The update applying the batch fed at step t is scaled on every stage by
-    min(1, max_norm / (G + 1e-6)) (torch's clipping factor), G the global norm logged at step t - LAG: rows are read two
-    steps after their own (`StreamingSteps._log_rows`), and a stage applies a batch at the
-    latest one window after it was fed, so that row is known to every stage by then, and each
-    stage's share of an update gets the same factor. Until a row exists (the first LAG steps)
+    The update applying the batch fed at step t is scaled on every stage by torch's clipping
+    factor min(1, max_norm / (G + 1e-6)), G the global norm logged at step t - LAG: rows are
+    read two steps after their own (`StreamingSteps._log_rows`), and a stage applies a batch
+    at the latest one window after it was fed, so that row is known to every stage by then,
+    and each stage's share of an update gets the same factor. Until a row exists (the first LAG steps)
     or while it is not finite (a skipped update), each stage clips its own gradient to
     max_norm / sqrt(stages), which holds the global norm under max_norm. The rows still needed
     after a drain are checkpointed (`state_dict`), so resume is exact."""
