@@ -448,14 +448,16 @@ def balance_load(model: nn.Module, counts: torch.Tensor, coeff: float) -> None:
 
 @one_thread
 def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "exact", bias_counts: str = "delayed",
-           **optimizer_options) -> Result:
+           sync_start: int = 0, **optimizer_options) -> Result:
     """W[k+1] = W[k] - Opt(grad f_k(W[k-1])), W[-1] = W[0]; each stage clips its own gradient.
     With experts the biases are part of W and move by the load-balancing rule from the counts of
     batch k routed at W[k-1] (the microbatches whose gradient the update applies).
     Controls: "stale" applies the update to W[k-1]; "no_delay" takes the gradient at W[k];
     `bias_counts="next"` moves the biases by the counts of batch k+1 routed at W[k] (the batch
     the pipeline is forwarding when it steps; none after the last);
-    `optimizer_options` (StageOptimizer's `error_feedback`, `whole_qkv`) change the optimizer."""
+    `optimizer_options` (StageOptimizer's `error_feedback`, `whole_qkv`) change the optimizer.
+    Sync Start: the first `sync_start` steps take the gradient at W[k]; then the rule restarts as
+    from fresh weights W[sync_start] (W[sync_start - 1] := W[sync_start])."""
     model = build_model(settings)  # holds W[k]
     previous = copy.deepcopy(model)  # holds W[k-1]
     head_dim = settings.dim // settings.n_heads
@@ -463,7 +465,9 @@ def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "
     moe = settings.family == "qwen3_moe"
     losses = {}
     for k, batch in enumerate(batches):
-        at = model if variant == "no_delay" else previous
+        if k == sync_start:
+            previous.load_state_dict(model.state_dict())
+        at = model if variant == "no_delay" or k < sync_start else previous
         at.zero_grad()
         if moe:
             expert_counts(at)

@@ -1,0 +1,132 @@
+"""Sync Start (`training.sync_start_steps = N`): steps 1..N synchronous, then the streaming
+schedule as if it started from the weights after step N. CLI runs, PP 2 on 2 gloo processes,
+the tiniest model, N = 3 of 6 steps, checkpoints at steps 2, 4 and 6 (one before the switch,
+one after).
+
+The synchronous baseline is the same config under torch's 1F1B. It clips the global gradient
+norm while each streaming stage clips its own, so `training.max_norm` is set above every norm
+here: no clip is active and both compute the same updates. The later steps are checked against
+`independent_reference.two_bw(sync_start=N)`, which imports nothing from titan_async, to 1e-5
+relative (as tests/test_independent_reference.py), and a reference that switches one step late
+must not match."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import independent_reference as ref
+from conftest import CONFIGS, TINY, checkpoint_weights, cli_in_process, losses, metrics, run_cli, sets
+
+N = 3
+STEPS = 6
+SETTINGS = (*TINY, f"training.steps={STEPS}", f"lr_scheduler.total_steps={STEPS}", "checkpoint.interval=2",
+            "validation.enable=false", "training.max_norm=1000", "parallelism.pipeline_parallel_microbatch_size=1")
+SYNC_START = (f"training.sync_start_steps={N}",)
+
+
+def train(run_dir: Path, *assignments: str) -> Path:
+    run_cli("train", "--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--nproc-per-node", "2", "--run-dir", str(run_dir),
+            *sets(*SETTINGS, *assignments), env={"TITAN_ASYNC_BATCH_LOG": str(run_dir / "batches")})
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """The 2BW and PACI runs with Sync Start, and the synchronous (1F1B) baseline."""
+    root = tmp_path_factory.mktemp("sync_start")
+    return {
+        "2bw": train(root / "2bw", "parallelism.pipeline_parallel_schedule=PipeDream2BW", *SYNC_START),
+        "paci": train(root / "paci", "parallelism.pipeline_parallel_schedule=PACI", *SYNC_START),
+        "1f1b": train(root / "1f1b", "parallelism.pipeline_parallel_schedule=1F1B"),
+    }
+
+
+def relative_differences(run: Path, result: ref.Result) -> tuple[dict[int, float], float]:
+    """Per-step relative loss differences from `result`, and the largest relative difference of the final weights."""
+    weights = checkpoint_weights(run / "checkpoint" / f"step-{STEPS}")
+    logged = losses(run)
+    assert sorted(logged) == sorted(result.losses) == list(range(1, STEPS + 1))
+    loss = {step: abs(result.losses[step] / logged[step] - 1) for step in logged}
+    return loss, max(float((result.weights[k] - weights[k]).norm() / weights[k].norm()) for k in weights)
+
+
+def reference_inputs(run: Path):
+    weights = checkpoint_weights(run / "checkpoint" / f"step-{STEPS}")
+    settings = ref.read_settings(run, vocab_size=weights["tok_embeddings.weight"].shape[0])
+    return settings, ref.read_batches(run / "batches", settings)
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "paci"])
+def test_the_first_steps_equal_the_synchronous_run(runs, schedule):
+    """Bit for bit: the same microbatches accumulate in the same order, and no clip is active.
+    The last step differs: the run did switch. (PACI's step N + 2 is synchronous too: on 2
+    stages with a = m its stream drained at the checkpoint of step N + 1.)"""
+    sync_start, synchronous = losses(runs[schedule]), losses(runs["1f1b"])
+    print({step: (sync_start[step], synchronous[step]) for step in range(1, STEPS + 1)})
+    assert [sync_start[step] for step in range(1, N + 1)] == [synchronous[step] for step in range(1, N + 1)]
+    assert sync_start[STEPS] != synchronous[STEPS]
+
+
+def test_2bw_follows_the_reference_that_switches_at_step_n(runs):
+    run = runs["2bw"]
+    settings, batches = reference_inputs(run)
+    loss, weights = relative_differences(run, ref.two_bw(settings, batches, sync_start=N))
+    print("reference:", loss, weights)
+    assert max(loss.values()) < 1e-5 and weights < 1e-5
+    for control in (N + 1, 0):
+        loss, weights = relative_differences(run, ref.two_bw(settings, batches, sync_start=control))
+        print(f"control sync_start={control}:", loss, weights)
+        assert max(loss.values()) > 1e-4 and weights > 1e-3
+
+
+def test_paci_follows_the_reference_drained_through_step_n(runs):
+    """PACI with a = m: synchronous is a stream drained after every step, so the reference is
+    PACI's drained after steps 1..N (and at the checkpoints); drained only at the checkpoints,
+    the control."""
+    run = runs["paci"]
+    settings, batches = reference_inputs(run)
+    drains = ref.drain_steps(run)
+    loss, weights = relative_differences(run, ref.paci(settings, batches, drains | set(range(1, N + 1))))
+    print("reference:", loss, weights)
+    assert max(loss.values()) < 1e-5 and weights < 1e-5
+    loss, weights = relative_differences(run, ref.paci(settings, batches, drains))
+    print("control:", loss, weights)
+    assert max(loss.values()) > 1e-4 and weights > 1e-3
+
+
+def test_staleness_is_zero_in_the_synchronous_steps(runs):
+    rows = metrics(runs["2bw"])
+    for stage in (0, 1):
+        assert [rows[step][f"staleness_max/stage{stage}"] for step in range(1, N + 1)] == [0.0] * N
+        assert [rows[step][f"staleness/stage{stage}"] for step in range(N + 2, STEPS + 1)] == [1.0] * (STEPS - N - 1)
+
+
+def test_resume_before_and_after_the_switch_is_exact(runs, tmp_path):
+    """Stopped at step 2 (before the switch) and at step 4 (after it), resumed each time."""
+    split = train(tmp_path / "split", "parallelism.pipeline_parallel_schedule=PipeDream2BW", *SYNC_START,
+                  "training.steps=2")
+    for steps in (4, STEPS):
+        resumed = run_cli("resume", "--run-dir", str(split), *sets(f"training.steps={steps}"))
+        assert f"from step-{steps - 2}" in resumed.stdout
+    full, parts = losses(runs["2bw"]), losses(split)
+    assert sorted(parts) == list(range(1, STEPS + 1))
+    assert parts == full
+
+
+def test_report_shows_sync_start_and_staleness_per_stage(runs, capsys):
+    status, out, err = cli_in_process(capsys, "report", "--run-dir", str(runs["2bw"]))
+    assert status == 0, err
+    page = (runs["2bw"] / "report" / "report.html").read_text()
+    assert f"steps 1..{N} synchronous (the stream drained after each), then PipeDream2BW on 2 stages" in page
+    assert "staleness.png" in page and (runs["2bw"] / "report" / "staleness.png").is_file()
+    for stage in (0, 1):
+        assert f"staleness/stage{stage}" in page and f"staleness_max/stage{stage}" in page
+
+
+def test_plan_shows_sync_start(capsys):
+    status, out, err = cli_in_process(capsys, "plan", "--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--gpus-per-node", "2",
+                                      *sets("parallelism.pipeline_parallel_schedule=PipeDream2BW", *SYNC_START))
+    assert status == 0, err
+    assert f"sync start: steps 1..{N} synchronous (the stream drained after each), then PipeDream2BW" in out
