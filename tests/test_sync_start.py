@@ -15,9 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 import independent_reference as ref
 from conftest import CONFIGS, TINY, checkpoint_weights, cli_in_process, losses, metrics, run_cli, sets
+from titan_async.pipeline.versions import LocalAccumulation, TwoVersions
 
 N = 3
 STEPS = 6
@@ -26,20 +28,22 @@ SETTINGS = (*TINY, f"training.steps={STEPS}", f"lr_scheduler.total_steps={STEPS}
 SYNC_START = (f"training.sync_start_steps={N}",)
 
 
-def train(run_dir: Path, *assignments: str) -> Path:
-    run_cli("train", "--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--nproc-per-node", "2", "--run-dir", str(run_dir),
+def train(run_dir: Path, *assignments: str, config: str = "debug_cpu_pp2.toml", nproc: int = 2) -> Path:
+    run_cli("train", "--config", str(CONFIGS / config), "--nproc-per-node", str(nproc), "--run-dir", str(run_dir),
             *sets(*SETTINGS, *assignments), env={"TITAN_ASYNC_BATCH_LOG": str(run_dir / "batches")})
     return run_dir
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """The 2BW and PACI runs with Sync Start, and the synchronous (1F1B) baseline."""
+    """The 2BW and PACI runs with Sync Start, the synchronous (1F1B) baseline, and the
+    single-process delayed rule (`training.gradient_delay = 1`) with Sync Start."""
     root = tmp_path_factory.mktemp("sync_start")
     return {
         "2bw": train(root / "2bw", "parallelism.pipeline_parallel_schedule=PipeDream2BW", *SYNC_START),
         "paci": train(root / "paci", "parallelism.pipeline_parallel_schedule=PACI", *SYNC_START),
         "1f1b": train(root / "1f1b", "parallelism.pipeline_parallel_schedule=1F1B"),
+        "delay": train(root / "delay", "training.gradient_delay=1", *SYNC_START, config="debug_cpu.toml", nproc=1),
     }
 
 
@@ -81,6 +85,21 @@ def test_2bw_follows_the_reference_that_switches_at_step_n(runs):
         assert max(loss.values()) > 1e-4 and weights > 1e-3
 
 
+def test_2bw_with_fsdp_follows_the_reference(tmp_path):
+    """PP 2 x FSDP 2 (4 processes): the sharded versions (`ShardedTwoVersions`) step their shard
+    in place and reshard while synchronous; the reference trains on both data ranks' batches."""
+    run = train(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PipeDream2BW", *SYNC_START,
+                config="debug_cpu_pp2_fsdp2.toml", nproc=4)
+    settings, batches = reference_inputs(run)
+    assert settings.data_ranks == 2
+    loss, weights = relative_differences(run, ref.two_bw(settings, batches, sync_start=N))
+    print("reference:", loss, weights)
+    assert max(loss.values()) < 1e-5 and weights < 1e-5
+    loss, weights = relative_differences(run, ref.two_bw(settings, batches, sync_start=N + 1))
+    print("control:", loss, weights)
+    assert max(loss.values()) > 1e-4 and weights > 1e-3
+
+
 def test_paci_follows_the_reference_drained_through_step_n(runs):
     """PACI with a = m: synchronous is a stream drained after every step, so the reference is
     PACI's drained after steps 1..N (and at the checkpoints); drained only at the checkpoints,
@@ -94,6 +113,15 @@ def test_paci_follows_the_reference_drained_through_step_n(runs):
     loss, weights = relative_differences(run, ref.paci(settings, batches, drains))
     print("control:", loss, weights)
     assert max(loss.values()) > 1e-4 and weights > 1e-3
+
+
+def test_the_single_process_delayed_rule_switches_alike(runs):
+    """`training.gradient_delay = 1` with Sync Start against the pipelined 2BW run: the same
+    batches, one forward per batch instead of 4 microbatches (float32 sums in another order)."""
+    pipelined, delayed = losses(runs["2bw"]), losses(runs["delay"])
+    found = max(abs(delayed[step] / pipelined[step] - 1) for step in pipelined)
+    print("gradient_delay = 1:", found)
+    assert sorted(delayed) == sorted(pipelined) and found < 1e-5
 
 
 def test_staleness_is_zero_in_the_synchronous_steps(runs):
@@ -130,3 +158,49 @@ def test_plan_shows_sync_start(capsys):
                                       *sets("parallelism.pipeline_parallel_schedule=PipeDream2BW", *SYNC_START))
     assert status == 0, err
     assert f"sync start: steps 1..{N} synchronous (the stream drained after each), then PipeDream2BW" in out
+
+
+def parameters() -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))]
+
+
+def test_two_versions_update_in_place_until_the_switch():
+    """Batches 0..N-1 update the live weights in place (no second buffer, also not for a
+    checkpoint); batches N and N+1 both run on W[N], and the update of batch N is written
+    into a second buffer while batch N+1 still reads W[N]."""
+    params = [torch.nn.Parameter(torch.zeros(8, 4)), torch.nn.Parameter(torch.zeros(4))]  # sums of ones: exact
+    start = [p.detach().clone() for p in params]
+    policy = TwoVersions(params, microbatches=1, sync_start=N)
+
+    def add_one() -> None:
+        for p in params:
+            p.data.add_(1.0)
+
+    def holds(offset: float) -> bool:
+        return all(torch.equal(p, s + offset) for p, s in zip(params, start))
+
+    for batch in range(N):
+        policy.activate(batch)
+        assert holds(batch)
+        policy.apply_update(batch, add_one)
+        assert policy.state_dict(["a", "b"], batch + 1)["a"].equal(start[0] + batch + 1)
+    assert policy.extra_bytes() == 0 and policy.updates == N
+    for batch in (N, N + 1):
+        policy.activate(batch)
+        assert holds(N)
+    policy.apply_update(N, add_one)
+    assert holds(N + 1) and policy.extra_bytes() == sum(p.numel() * 4 for p in params)
+    policy.activate(N + 1)
+    assert holds(N)
+
+
+def test_paci_steps_once_per_batch_until_the_switch_then_every_a():
+    m, a = 4, 3
+    policy = LocalAccumulation(parameters(), accumulation=a, microbatches=m, sync_start=N)
+    completed = {count: policy.after_backward(count - 1) for count in range(1, N * m + 4 * a + 1)}
+    steps = [count for count, update in completed.items() if update is not None]
+    assert steps == [m * (b + 1) for b in range(N)] + [N * m + a * (u + 1) for u in range(4)]
+    assert [completed[count] for count in steps] == list(range(1, N + 5))
+    assert [policy.update_of_batch(b) for b in range(N + 2)] == [*range(1, N + 1), N + m // a, N + 2 * m // a]
+    policy.load_state_dict(policy.state_dict(["a", "b"], N + 1), ["a", "b"], N + 1)
+    assert policy.updates == N + 4
