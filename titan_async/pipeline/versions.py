@@ -288,6 +288,8 @@ class ShardedTwoVersions(OneStepDelay):
             self.spare_version = None
 
     def _synchronous_update(self, optimizer_step: Callable[[], None]) -> None:
+        """A Sync Start update: the shard steps in place, the stage reshards, so the next forward
+        gathers the new weights; the versions' bookkeeping stays as at construction."""
         self.stage.reduce()
         self.updates += 1
         with preserved_versions(self.params):

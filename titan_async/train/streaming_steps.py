@@ -28,7 +28,8 @@ from titan_async.train.health import skips_on_device
 
 
 class StreamingSteps:
-    """One window per step, drained before checkpoints, validation and the end.
+    """One window per step, drained before checkpoints, validation and the end, and after each
+    synchronous step of a Sync Start (`training.sync_start_steps`, `versions` module docstring).
 
     Each stage steps on its own when its policy completes an update: it moves its MoE biases,
     clips its own gradient to `training.max_norm` (there is no global synchronisation point)
