@@ -496,7 +496,8 @@ def balance_load(model: nn.Module, counts: torch.Tensor, coeff: float) -> None:
 
 @one_thread
 def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "exact", bias_counts: str = "delayed",
-           lagged_clip: int | None = None, skipped: frozenset[tuple[int, int]] = frozenset(), **optimizer_options) -> Result:
+           lagged_clip: int | None = None, skipped: frozenset[tuple[int, int]] = frozenset(), sync_start: int = 0,
+           **optimizer_options) -> Result:
     """W[k+1] = W[k] - Opt(grad f_k(W[k-1])), W[-1] = W[0]; each stage clips its own gradient.
     With experts the biases are part of W and move by the load-balancing rule from the counts of
     batch k routed at W[k-1] (the microbatches whose gradient the update applies).
@@ -507,7 +508,9 @@ def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "
     `lagged_clip` = lag clips by the global norm logged that many steps earlier (`LaggedGlobalClip`:
     update u applies the batch fed at step u, and the row of step t logs update t); each (stage, u)
     of `skipped` leaves that stage's weights and optimizer state as they are at update u (a
-    non-finite gradient: its norm counts as 0), its lr schedule and expert biases moving on."""
+    non-finite gradient: its norm counts as 0), its lr schedule and expert biases moving on.
+    Sync Start: the first `sync_start` steps take the gradient at W[k]; then the rule restarts as
+    from fresh weights W[sync_start] (W[sync_start - 1] := W[sync_start])."""
     model = build_model(settings)  # holds W[k]
     previous = copy.deepcopy(model)  # holds W[k-1]
     head_dim = settings.dim // settings.n_heads
@@ -517,7 +520,9 @@ def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "
     moe = settings.family == "qwen3_moe"
     losses = {}
     for k, batch in enumerate(batches):
-        at = model if variant == "no_delay" else previous
+        if k == sync_start:
+            previous.load_state_dict(model.state_dict())
+        at = model if variant == "no_delay" or k < sync_start else previous
         at.zero_grad()
         if moe:
             expert_counts(at)

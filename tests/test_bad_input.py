@@ -323,3 +323,21 @@ def test_simulate_with_fewer_microbatches_than_stages_is_refused_in_one_line(cap
                "--simulate", *sets("training.local_batch_size=4"))
     assert "--simulate compares every schedule with 1F1B, which needs at least as many microbatches per flush as stages" in err
     assert "= 4 < 8 stages" in err
+
+
+@pytest.mark.parametrize("value, message", [
+    ("-1", "training.sync_start_steps must be >= 0 (0: off), got -1"),
+    ("1.5", "training.sync_start_steps: expected an integer, got float 1.5"),
+])
+def test_sync_start_steps_must_be_a_count(capsys, value, message):
+    err = fail(capsys, "config", "show", *sets(f"training.sync_start_steps={value}"))
+    assert message in err, err
+
+
+def test_sync_start_on_a_synchronous_schedule_is_refused(capsys, tmp_path):
+    err = fail(capsys, "train", "--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--nproc-per-node", "2",
+               "--run-dir", str(tmp_path / "run"), *sets("training.sync_start_steps=3"))
+    assert ("training.sync_start_steps = 3 trains the first steps synchronously before a streaming schedule "
+            "(PipeDream2BW, PACI) or training.gradient_delay = 1; parallelism.pipeline_parallel_schedule = '1F1B' "
+            "is synchronous throughout") in err, err
+    assert not (tmp_path / "run").exists()

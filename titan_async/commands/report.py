@@ -11,7 +11,10 @@ from pathlib import Path
 from titan_async.commands.pages import html_figure, html_page, html_table, line_chart, page_path
 from titan_async.rundir import directory as runs
 from titan_async.rundir.benchmarks import HEADER, read_results, table_rows
-from titan_async.rundir.record import BUBBLE, MEMORY, THROUGHPUT, TRAIN_LOSS, VALIDATION_LOSS, RunRecord, read_run, series
+from titan_async.pipeline.config import sync_start_text
+from titan_async.rundir.record import (
+    BUBBLE, MEMORY, STALENESS, STALENESS_MAX, THROUGHPUT, TRAIN_LOSS, VALIDATION_LOSS, RunRecord, read_run, series, stage_series,
+)
 
 GROUP_TABLE = "optimizer_groups.txt"
 TIMELINE = Path("pipeline") / "timeline.png"
@@ -32,6 +35,12 @@ def draw_plots(record: RunRecord, folder: Path) -> list[tuple[str, str, Path]]:
         lines = [(f"stage {stage}", sorted(b), [b[s] for s in sorted(b)]) for stage, b in sorted(record.stage_bubbles.items())]
         line_chart(folder / "bubble.png", "pipeline bubble", "idle share of the step", lines)
         plots.append(("pipeline", "Measured pipeline bubble per stage (its first rank)", folder / "bubble.png"))
+    staleness = _staleness_lines(record)
+    if staleness:
+        line_chart(folder / "staleness.png", "gradient staleness", "optimizer steps", staleness)
+        plots.append(("pipeline", "Staleness of the applied gradients per stage, in optimizer steps between the weights a "
+                      "gradient was taken at and those it updates: mean and largest since the previous logged step",
+                      folder / "staleness.png"))
     if (record.directory / TIMELINE).is_file():
         shutil.copyfile(record.directory / TIMELINE, folder / "timeline.png")
         plots.append(("pipeline", "Pipeline timeline of the traced steps: forwards blue, backwards green, optimizer steps red",
@@ -39,8 +48,29 @@ def draw_plots(record: RunRecord, folder: Path) -> list[tuple[str, str, Path]]:
     return plots
 
 
+def _staleness_lines(record: RunRecord) -> list[tuple[str, list[int], list[float]]]:
+    """(label, steps, values): each stage's mean and largest staleness (streaming runs only)."""
+    lines = []
+    for prefix, what in ((STALENESS, "mean"), (STALENESS_MAX, "largest")):
+        lines += [(f"stage {stage} {what}", *steps_values) for stage, steps_values in stage_series(record.train, prefix).items()]
+    return lines
+
+
+def schedule_summary(config: dict) -> str:
+    """The run's schedule in words: the pipeline schedule and its stages, or the delayed-gradient
+    rule, or none; with Sync Start, its synchronous steps first."""
+    p, t = config.get("parallelism", {}), config.get("training", {})
+    stages = p.get("emulated_stages") or p.get("pipeline_parallel_degree", 1)
+    if stages > 1:
+        schedule = f"{p.get('pipeline_parallel_schedule')} on {stages} stages{' (emulated)' if p.get('emulated_stages') else ''}"
+    else:
+        schedule = "training.gradient_delay = 1" if t.get("gradient_delay") else "no pipeline, synchronous"
+    sync_start = t.get("sync_start_steps", 0)
+    return sync_start_text(sync_start, schedule) if sync_start else schedule
+
+
 def summary(record: RunRecord) -> list[tuple[str, str]]:
-    """(label, value) rows: steps, losses, throughput, memory, bubble, stop."""
+    """(label, value) rows: steps, schedule, losses, throughput, memory, bubble, stop."""
     last = max(record.train)
     configured = record.config.get("training", {}).get("steps", "?")
     world = record.launch.get("world_size", record.launch.get("nproc_per_node", 1))
@@ -49,6 +79,7 @@ def summary(record: RunRecord) -> list[tuple[str, str]]:
         ("run directory", str(record.directory)),
         ("steps logged", f"{last} of {configured}"),
         ("processes", str(world)),
+        ("schedule", schedule_summary(record.config)),
         ("first training loss", f"{train_losses[0]:.4f}"),
         ("final training loss", f"{train_losses[-1]:.4f} (step {last})"),
     ]
@@ -81,15 +112,16 @@ def _number(value: float | None, form: str = "{:.4f}") -> str:
 def step_table(record: RunRecord) -> str:
     """Every logged step's scalars as an HTML table: the plotted series as numbers."""
     lr_keys = sorted({key for row in record.train.values() for key in row if key.startswith("lr/")})
+    staleness_keys = [f"{prefix}{stage}" for prefix in (STALENESS, STALENESS_MAX) for stage in stage_series(record.train, prefix)]
     rows = []
     for step in sorted(record.train):
         row, validation = record.train[step], record.validation.get(step, {})
         rows.append([
             str(step), _number(row.get(TRAIN_LOSS)), _number(validation.get(VALIDATION_LOSS)),
             _number(row.get("grad_norm")), _number(row.get(THROUGHPUT), "{:,.0f}"),
-            *(_number(row.get(key), "{:.4g}") for key in lr_keys),
+            *(_number(row.get(key), "{:.4g}") for key in lr_keys + staleness_keys),
         ])
-    return html_table(["step", "training loss", "validation loss", "grad norm", "tokens/s", *lr_keys], rows)
+    return html_table(["step", "training loss", "validation loss", "grad norm", "tokens/s", *lr_keys, *staleness_keys], rows)
 
 
 def render_html(record: RunRecord, plots: list[tuple[str, str, Path]]) -> str:

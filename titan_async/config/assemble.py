@@ -29,6 +29,7 @@ RESUME_REFUSES = {
     **{key: reason for key, reason in ON_RESUME.items() if reason},
     "training.gradient_delay": "the checkpoints hold a second weight version, or none",
     "training.clipping": "the checkpoints hold the global norms lagged clipping needs, or none",
+    "training.sync_start_steps": "the checkpoints' weight versions and update counts follow the step of the switch",
 }
 """The keys whose change resume refuses, and why: those that decide which states a checkpoint holds."""
 

@@ -48,12 +48,22 @@ class DelayTraining(TrainingConfig):
     every stage scales the update applying the batch of step t by min(1, max_norm / G), G the
     global norm logged at step t - 3 (the latest every stage knows without waiting), and clips its
     own gradient to max_norm / sqrt(stages) until such a norm exists."""
+    sync_start_steps: int = 0
+    """N > 0 (Sync Start): train steps 1..N synchronously, then go on with the streaming schedule
+    (or `gradient_delay = 1`) as if it started from the weights after step N; 0: off."""
 
     def __post_init__(self) -> None:
         if self.gradient_delay not in (0, 1):
             raise ValueError(f"training.gradient_delay must be 0 or 1, got {self.gradient_delay}")
         if self.clipping not in CLIPPING_MODES:
             raise ValueError(f"training.clipping must be one of {', '.join(map(repr, CLIPPING_MODES))}, got {self.clipping!r}")
+        if self.sync_start_steps < 0:
+            raise ValueError(f"training.sync_start_steps must be >= 0 (0: off), got {self.sync_start_steps}")
+
+
+def sync_start_text(steps: int, schedule: str) -> str:
+    """How a Sync Start of `steps` steps trains before `schedule` (what plan and report print)."""
+    return f"steps 1..{steps} synchronous (the stream drained after each), then {schedule}"
 
 
 def microbatches(training: TrainingConfig, parallelism: PipelineParallelism) -> int:
@@ -86,6 +96,10 @@ def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism, da
     if training.clipping == "lagged_global" and schedule is None:
         return (f"training.clipping = 'lagged_global' is for the streaming schedules (PipeDream2BW, PACI); {key} "
                 "clips each step's global norm (torchtitan's rule): leave training.clipping = 'per_stage'")
+    if training.sync_start_steps and schedule is None and not training.gradient_delay:
+        return (f"training.sync_start_steps = {training.sync_start_steps} trains the first steps synchronously before a "
+                f"streaming schedule (PipeDream2BW, PACI) or training.gradient_delay = 1; {key} is synchronous throughout: "
+                "set training.sync_start_steps = 0, or pick a streaming schedule")
     if parallelism.emulated_stages and schedule is None:
         return f"parallelism.emulated_stages = {parallelism.emulated_stages} emulates a streaming schedule (PipeDream2BW or PACI), not {name!r}"
     if schedule is None:

@@ -119,7 +119,7 @@ class StageExecutor:
             self.transport.send(GRADIENT, k, entry.stage_input.grad)
         if self.balance:
             self.balance.after_backward(k)
-        self.crossed.append(self.policy.updates - self.updates_at_forward.pop(k))
+        self.crossed.append(self.policy.delay(k, self.policy.updates - self.updates_at_forward.pop(k)))
         completed = self.policy.after_backward(k)
         if completed is not None:
             with self.timeline.action(f"{self.stage}O{completed}"):

@@ -7,6 +7,13 @@
 - `LocalAccumulation` (PACI): no stash; after every `a` local backwards the stage steps its
   optimizer in place, so a microbatch may see newer weights in its backward than in its forward
   (see its docstring for what activation checkpointing changes).
+
+Sync Start (`sync_start` = N > 0, `training.sync_start_steps`): batches 0..N-1 are synchronous,
+W[k+1] = W[k] - Opt(grad f_k(W[k])): one in-place update per batch with the whole batch's
+gradient, the trainer draining the stream after each of them so that no microbatch crosses an
+update. From batch N on each policy runs its rule as a fresh policy would from W[N], numbers
+shifted by N: 2BW's second version appears at the switch (U_N = U_{N+1} = W[N]), PACI counts
+its `a` backwards from the switch.
 """
 
 from __future__ import annotations
@@ -44,10 +51,16 @@ class OneStepDelay:
     """The batch bookkeeping both 2BW implementations share: batch t runs on version t, and
     version b + 2 is computed from b + 1 once batch b's gradient is complete."""
 
-    def __init__(self, microbatches: int) -> None:
+    def __init__(self, microbatches: int, sync_start: int = 0) -> None:
         self.microbatches = microbatches
+        self.sync_start = sync_start
         self.backwards = Counter()
         self.updates = 0
+
+    def delay(self, microbatch: int, crossed: int) -> int:
+        """The staleness of a backward's gradient in optimizer steps: 0 in the synchronous
+        batches, 1 after (whatever updates it `crossed`: its version is stashed)."""
+        return int(microbatch // self.microbatches >= self.sync_start)
 
     def before_forward(self, microbatch: int) -> None:
         self.activate(microbatch // self.microbatches)
@@ -87,14 +100,19 @@ class TwoVersions(OneStepDelay):
     Versions switch by pointing `param.data` at the other buffer (no copy; the live storage
     is one of the two buffers)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], microbatches: int) -> None:
-        super().__init__(microbatches)
+    def __init__(self, params: list[torch.nn.Parameter], microbatches: int, sync_start: int = 0) -> None:
+        super().__init__(microbatches, sync_start)
         self.params = params
-        # Until the first update both versions are the live weights (W[-1] = W[0]); version 1
-        # is left None and copied from the live weights when first needed, so weights loaded
-        # after construction (checkpoint.initial_load_path) become both versions.
-        self.buffers = [[p.data for p in params], None]
-        self.active = 0
+        self._both_live()
+
+    def _both_live(self) -> None:
+        """Until the first delayed update both versions are the live weights (W[-1] = W[0], or
+        U_N = U_{N+1} = W[N] after N synchronous batches). The buffer of version N + 1 is left
+        None and copied from the live weights when first needed, so weights loaded after
+        construction (checkpoint.initial_load_path) become both versions."""
+        self.active = self.sync_start % 2
+        self.buffers = [None, None]
+        self.buffers[self.active] = [p.data for p in self.params]
 
     def _version(self, index: int) -> list[torch.Tensor]:
         """Buffer `index`, copied from the live weights if it was left None (see __init__)."""
@@ -103,9 +121,9 @@ class TwoVersions(OneStepDelay):
         return self.buffers[index]
 
     def activate(self, batch: int) -> None:
-        """Make every parameter hold the version batch `batch` uses."""
+        """Make every parameter hold the version batch `batch` uses (the live weights while synchronous)."""
         index = batch % 2
-        if index == self.active:
+        if batch < self.sync_start or index == self.active:
             return
         self._version(self.active)
         for param, tensor in zip(self.params, self._version(index)):
@@ -113,9 +131,11 @@ class TwoVersions(OneStepDelay):
         self.active = index
 
     def apply_update(self, batch: int, optimizer_step: Callable[[], None]) -> None:
-        """U_{batch+2} = U_{batch+1} - Opt(g_batch), written into the buffer batch `batch` used."""
+        """U_{batch+2} = U_{batch+1} - Opt(g_batch), written into the buffer batch `batch` used;
+        in place while synchronous."""
         self.updates += 1
-        self.start_update(batch)
+        if batch >= self.sync_start:
+            self.start_update(batch)
         with preserved_versions(self.params):
             optimizer_step()
 
@@ -140,9 +160,12 @@ class TwoVersions(OneStepDelay):
 
     def state_dict(self, names: list[str], step: int) -> dict[str, torch.Tensor]:
         """After `step` steps the parameters hold the latest version U_{step+1} = W[step];
-        this is the other one, U_step, which the next batch still uses. Never aliases the
-        live parameters (a load fills these tensors while the model's own entries fill the
-        parameters)."""
+        this is the other one, U_step, which the next batch still uses (before the switch
+        of a Sync Start, the live weights: no second buffer is made for it). Never aliases
+        the live parameters (a load fills these tensors while the model's own entries fill
+        the parameters)."""
+        if step < self.sync_start:
+            return {name: p.data.clone() for name, p in zip(names, self.params)}
         tensors = self._version(step % 2)
         if step % 2 == self.active:
             tensors = [t.clone() for t in tensors]
@@ -150,11 +173,14 @@ class TwoVersions(OneStepDelay):
 
     def load_state_dict(self, state: dict[str, torch.Tensor], names: list[str], step: int) -> None:
         """Restore both versions after a checkpoint at `step` loaded U_{step+1} into the parameters."""
+        self.backwards.clear()
+        self.updates = step
+        if step < self.sync_start:
+            self._both_live()
+            return
         self.buffers[(step + 1) % 2] = [p.data for p in self.params]
         self.buffers[step % 2] = [state[name].clone() for name in names]
         self.active = (step + 1) % 2
-        self.backwards.clear()
-        self.updates = step
 
 
 class ShardedTwoVersions(OneStepDelay):
@@ -172,19 +198,22 @@ class ShardedTwoVersions(OneStepDelay):
     """
 
     def __init__(self, params: list[torch.nn.Parameter], microbatches: int, stage: FsdpStage,
-                 buffers: list[torch.Tensor] = ()) -> None:
+                 buffers: list[torch.Tensor] = (), sync_start: int = 0) -> None:
         """`buffers`: unsharded tensors versioned with the weights (MoE expert biases), kept as
         `TwoVersions` keeps plain parameters."""
-        super().__init__(microbatches)
+        super().__init__(microbatches, sync_start)
         self.params, self.stage = params, stage
-        self.buffers = TwoVersions(list(buffers), microbatches) if buffers else None
-        # Until the first update versions 0 and 1 are both the live weights (W[-1] = W[0]): a
-        # side shard left None holds the shard's values and is copied out when first needed.
+        self.buffers = TwoVersions(list(buffers), microbatches, sync_start) if buffers else None
+        self.spare: list[torch.Tensor] | None = None
+        self._both_live()
+
+    def _both_live(self) -> None:
+        """Until the first delayed update versions N and N + 1 (N = sync_start) are both the live
+        weights: a side shard left None holds the shard's values and is copied out when first needed."""
         self.side: list[torch.Tensor] | None = None
-        self.shard_version, self.side_version = 1, 0
+        self.shard_version, self.side_version = self.sync_start + 1, self.sync_start
         self.exchanged = False  # whether the shards are in the storage the side shard was made with
         self.gathered_version: int | None = None
-        self.spare: list[torch.Tensor] | None = None
         self.spare_version: int | None = None
 
     def _alive(self, version: int | None) -> bool:
@@ -210,7 +239,10 @@ class ShardedTwoVersions(OneStepDelay):
         self.gathered_version, self.spare_version = self.spare_version, self.gathered_version
 
     def activate(self, batch: int) -> None:
-        """Make the parameters FSDP computes with (and the buffers) hold version `batch`."""
+        """Make the parameters FSDP computes with (and the buffers) hold version `batch`: while
+        synchronous, the shard's weights, which FSDP gathers after each update's reshard."""
+        if batch < self.sync_start:
+            return
         if self.buffers:
             self.buffers.activate(batch)
         if self.stage.gathered and self.gathered_version != batch:
@@ -235,7 +267,11 @@ class ShardedTwoVersions(OneStepDelay):
         shard keeps U_{batch+1}, and U_batch is dropped. U_{batch+1} is in the parameters' own
         storage (the last update wrote it there), live again first if a switch had exchanged
         it: so the latest version is always there, where whatever keeps the parameters'
-        tensors (a checkpointer's cache of them, DCP's staging buffers) finds it after a drain."""
+        tensors (a checkpointer's cache of them, DCP's staging buffers) finds it after a drain.
+        While synchronous the shard steps in place and the stage reshards."""
+        if batch < self.sync_start:
+            self._synchronous_update(optimizer_step)
+            return
         self.stage.reduce()
         latest = batch + 1
         if self.exchanged:
@@ -255,6 +291,16 @@ class ShardedTwoVersions(OneStepDelay):
         if not self._alive(self.spare_version):
             self.spare_version = None
 
+    def _synchronous_update(self, optimizer_step: Callable[[], None]) -> None:
+        """A Sync Start update: the shard steps in place, the stage reshards, so the next forward
+        gathers the new weights; the versions' bookkeeping stays as at construction."""
+        self.stage.reduce()
+        self.updates += 1
+        with preserved_versions(self.params):
+            optimizer_step()
+        self.stage.fence()
+        self.stage.reshard()
+
     def copies(self) -> list[torch.Tensor]:
         """The side shard (made now if still pending) and the buffers' other version."""
         return self._side() + (self.buffers.copies() if self.buffers else [])
@@ -270,23 +316,27 @@ class ShardedTwoVersions(OneStepDelay):
     def state_dict(self, names: list[str], step: int) -> dict[str, torch.Tensor]:
         """As `TwoVersions.state_dict`, sharded like the parameters: the side shard (after a drain
         the shard holds U_{step+1}, the latest version); then the buffers' other version."""
-        state = {name: _like(param, t) for name, param, t in zip(names, self.params, self._side())}
+        side = [_local(p).clone() for p in self.params] if step < self.sync_start else self._side()
+        state = {name: _like(param, t) for name, param, t in zip(names, self.params, side)}
         if self.buffers:
             state.update(self.buffers.state_dict(names[len(self.params):], step))
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor], names: list[str], step: int) -> None:
         """Restore both versions after a checkpoint at `step` loaded U_{step+1} into the shard."""
+        if self.buffers:
+            self.buffers.load_state_dict(state, names[len(self.params):], step)
+        self.backwards.clear()
+        self.updates = step
+        if step < self.sync_start:
+            self._both_live()
+            return
         self.side = [spare_storage(holders) for holders in self.stage.shard_storage(self.params)]
         for side, name in zip(self.side, names):
             side.copy_(_local(state[name]))
         self.exchanged = False
-        if self.buffers:
-            self.buffers.load_state_dict(state, names[len(self.params):], step)
         self.shard_version, self.side_version = step + 1, step
         self.gathered_version = self.spare_version = None
-        self.backwards.clear()
-        self.updates = step
 
 
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -310,11 +360,14 @@ class LocalAccumulation:
     Under FSDP2 the stage reduces its gradients right before each local step and re-gathers
     after it, so in-flight backwards read the new weights."""
 
-    def __init__(self, params: list[torch.nn.Parameter], accumulation: int, microbatches: int, stage: FsdpStage | None = None) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], accumulation: int, microbatches: int, stage: FsdpStage | None = None,
+                 sync_start: int = 0) -> None:
         self.params = params
         self.stage = stage
         self.accumulation = accumulation
         self.microbatches = microbatches
+        self.synchronous_backwards = sync_start * microbatches
+        """The backwards of the synchronous batches: each `microbatches` of them make one update."""
         self.count = 0
         self.updates = 0
 
@@ -323,9 +376,25 @@ class LocalAccumulation:
 
     before_backward = before_forward
 
+    def _updates_after(self, count: int) -> int:
+        """The updates made once `count` local backwards have run."""
+        sync = self.synchronous_backwards
+        if count <= sync:
+            return count // self.microbatches
+        return sync // self.microbatches + (count - sync) // self.accumulation
+
+    def _pending(self) -> int:
+        """The local backwards since the last update (accumulated in the gradients)."""
+        sync = self.synchronous_backwards
+        return self.count % self.microbatches if self.count <= sync else (self.count - sync) % self.accumulation
+
     def after_backward(self, microbatch: int) -> int | None:
         self.count += 1
-        return self.count // self.accumulation if self.count % self.accumulation == 0 else None
+        return None if self._pending() else self._updates_after(self.count)
+
+    def delay(self, microbatch: int, crossed: int) -> int:
+        """The staleness of a backward's gradient: the local updates it `crossed` since its forward."""
+        return crossed
 
     def apply_update(self, batch: int, optimizer_step: Callable[[], None]) -> None:
         """Update in place; in-flight backwards read the new weights."""
@@ -345,12 +414,16 @@ class LocalAccumulation:
     def update_of_batch(self, batch: int) -> int:
         """The number (1-based, as `updates` counts; 0: none yet) of the last update whose
         microbatches all belong to batches up to `batch`: update u covers microbatches
-        [(u - 1) a, u a) on every stage."""
-        return (batch + 1) * self.microbatches // self.accumulation
+        [(u - 1) a, u a) on every stage (after the synchronous batches' updates, one per batch)."""
+        return self._updates_after((batch + 1) * self.microbatches)
 
     def step_of_update(self, update: int) -> int:
-        """The step (1-based) that fed the batch holding update `update`'s last microbatch."""
-        return (update * self.accumulation - 1) // self.microbatches + 1
+        """The step (1-based) that fed the batch holding update `update`'s last microbatch (one
+        update per batch while synchronous)."""
+        synchronous = self.synchronous_backwards // self.microbatches
+        if update <= synchronous:
+            return update
+        return synchronous + ((update - synchronous) * self.accumulation - 1) // self.microbatches + 1
 
     def extra_bytes(self) -> int:
         """No weight copies: PACI keeps only the live parameters."""
@@ -361,7 +434,7 @@ class LocalAccumulation:
     def state_dict(self, names: list[str], step: int) -> dict[str, torch.Tensor]:
         """Backward count and the gradients accumulated since the last local step (reduced,
         when FSDP held them unsharded)."""
-        if self.stage and self.count % self.accumulation:
+        if self.stage and self._pending():
             self.stage.reduce()
         state = {"count": torch.tensor(self.count)}
         for name, param in zip(names, self.params):
@@ -370,28 +443,31 @@ class LocalAccumulation:
 
     def load_state_dict(self, state: dict[str, torch.Tensor], names: list[str], step: int) -> None:
         self.count = int(state["count"])
-        self.updates = self.count // self.accumulation
+        self.updates = self._updates_after(self.count)
         for name, param in zip(names, self.params):
             param.grad = state[f"grad.{name}"].clone()
 
 
-def two_versions(module: torch.nn.Module, microbatches: int, stage: FsdpStage | None = None):
+def two_versions(module: torch.nn.Module, microbatches: int, stage: FsdpStage | None = None, sync_start: int = 0):
     """PipeDream-2BW's versions of `module`'s parameters (and MoE expert biases,
-    `load_balance.versioned_tensors`): sharded when `stage` (its FSDP units) is given."""
+    `load_balance.versioned_tensors`): sharded when `stage` (its FSDP units) is given;
+    synchronous for the first `sync_start` batches."""
     tensors = [tensor for _, tensor in versioned_tensors(module)]
     if stage:
         params = list(module.parameters())
-        return ShardedTwoVersions(params, microbatches, stage, buffers=tensors[len(params):])
-    return TwoVersions(tensors, microbatches)
+        return ShardedTwoVersions(params, microbatches, stage, buffers=tensors[len(params):], sync_start=sync_start)
+    return TwoVersions(tensors, microbatches, sync_start)
 
 
-def make_policy(schedule: str, module: torch.nn.Module, microbatches: int, accumulation: int | None, hold_gathered: bool = False):
-    """The weight-version policy of streaming schedule `schedule` for one stage module. With
+def make_policy(schedule: str, module: torch.nn.Module, microbatches: int, accumulation: int | None, hold_gathered: bool = False,
+                sync_start: int = 0):
+    """The weight-version policy of streaming schedule `schedule` for one stage module,
+    synchronous for the first `sync_start` batches (Sync Start, module docstring). With
     `hold_gathered` (a pipeline stage of its own) its FSDP units gather and reduce once per
     update (`FsdpStage.hold_gathered`)."""
     stage = FsdpStage.of(module)
     if stage and hold_gathered:
         stage.hold_gathered()
     if schedule == "PipeDream2BW":
-        return two_versions(module, microbatches, stage)
-    return LocalAccumulation(list(module.parameters()), accumulation or microbatches, microbatches, stage)
+        return two_versions(module, microbatches, stage, sync_start)
+    return LocalAccumulation(list(module.parameters()), accumulation or microbatches, microbatches, stage, sync_start)

@@ -17,6 +17,9 @@ VALIDATION_LOSS = "validation_metrics/loss"
 THROUGHPUT = "throughput(tps)"
 MEMORY = "memory/max_reserved(GiB)"
 BUBBLE = "pipeline/bubble"
+STALENESS = "staleness/stage"
+STALENESS_MAX = "staleness_max/stage"
+"""Prefixes of the streaming runs' per-stage staleness (mean, largest) of the gradients applied since the previous row."""
 
 
 @dataclass
@@ -75,6 +78,13 @@ def series(rows: dict[int, dict], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of the rows that logged `key`, in step order."""
     steps = [step for step in sorted(rows) if rows[step].get(key) is not None]
     return steps, [rows[step][key] for step in steps]
+
+
+def stage_series(rows: dict[int, dict], prefix: str) -> dict[int, tuple[list[int], list[float]]]:
+    """Stage -> (steps, values) of the keys `prefix<stage>` (e.g. staleness/stage0), in step order."""
+    stages = sorted({int(key.removeprefix(prefix)) for row in rows.values() for key in row
+                     if key.startswith(prefix) and key.removeprefix(prefix).isdigit()})
+    return {stage: series(rows, f"{prefix}{stage}") for stage in stages}
 
 
 def diverged_validation(directory: Path) -> tuple[int, float] | None:

@@ -13,12 +13,13 @@ class DelayedSteps:
     """W[k+1] = W[k] - Opt(grad f_k(W[k-1])): torchtitan's step with the gradient taken at the
     previous version and the update applied to the latest one. Between steps the parameters
     hold the latest version, W[step], as a checkpoint expects. MoE biases move once per step,
-    from the counts of the batch whose gradient the update applies."""
+    from the counts of the batch whose gradient the update applies. With
+    `training.sync_start_steps` = N the first N steps take the gradient at W[k] (Sync Start)."""
 
     def __init__(self, trainer) -> None:
         self.trainer = trainer
         model = trainer.model_parts[0]
-        self.delay = two_versions(model, 1, FsdpStage.of(model))
+        self.delay = two_versions(model, 1, FsdpStage.of(model), trainer.config.training.sync_start_steps)
         self.policies = {0: (self.delay, policy_names(model, self.delay))}
         self.synchronous = SynchronousSteps(trainer, balance_experts=False)
         self.timeline = None

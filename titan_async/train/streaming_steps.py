@@ -28,7 +28,8 @@ from titan_async.train.health import skips_on_device
 
 
 class StreamingSteps:
-    """One window per step, drained before checkpoints, validation and the end.
+    """One window per step, drained before checkpoints, validation and the end, and after each
+    synchronous step of a Sync Start (`training.sync_start_steps`, `versions` module docstring).
 
     Each stage steps on its own when its policy completes an update: it moves its MoE biases,
     clips its gradient (there is no global synchronisation point: to `training.max_norm` on its
@@ -102,6 +103,7 @@ class StreamingSteps:
             microbatches=trainer.gradient_accumulation_steps * trainer.num_pipeline_parallel_microbatches,
             accumulation=trainer.config.parallelism.paci.accumulation,
             keep_trace=trainer.config.metrics.pipeline_trace,
+            sync_start=trainer.config.training.sync_start_steps,
         )
         self.timeline = schedule.timeline
         return {stage: (schedule.policy, policy_names(trainer.model_parts[0], schedule.policy))}
@@ -122,7 +124,8 @@ class StreamingSteps:
         mailbox: dict = {}
         policies, executors, steps = {}, [], {}
         for stage, view in enumerate(views):
-            policy = make_policy(config.parallelism.pipeline_parallel_schedule, view, m, config.parallelism.paci.accumulation)
+            policy = make_policy(config.parallelism.pipeline_parallel_schedule, view, m, config.parallelism.paci.accumulation,
+                                 sync_start=config.training.sync_start_steps)
             policies[stage] = (policy, policy_names(view, policy))
             executors.append(
                 StageExecutor(view, stage, len(views), LocalTransport(mailbox, stage), policy, self._loss, Timeline(0, False))
@@ -187,12 +190,13 @@ class StreamingSteps:
                 scheduler.step()
 
     def _must_drain(self) -> bool:
-        """Whether the step just taken is followed by a checkpoint, validation or the end."""
+        """Whether the step just taken is followed by a checkpoint, validation or the end, or is
+        one of the synchronous steps of a Sync Start (no microbatch may cross their updates)."""
         trainer = self.trainer
         step, config = trainer.step, trainer.config
         checkpoint = config.checkpoint.enable and step % config.checkpoint.interval == 0
         validation = config.validator.enable and trainer.validator.should_validate(step)
-        return step >= config.training.steps or checkpoint or validation
+        return step >= config.training.steps or checkpoint or validation or step <= config.training.sync_start_steps
 
     def run(self, data_iterator) -> None:
         """Feed batch `step - 1` into the stream and report the loss of the batch it completed.
@@ -337,10 +341,11 @@ class StreamingSteps:
 
     def _take_staleness(self) -> None:
         """Each local stage's delays of the step just run, in optimizer steps between the weights a
-        gradient was computed at and those it updates: 1 for PipeDream2BW; for PACI, the local
-        updates each microbatch crossed between its forward and backward."""
+        gradient was computed at and those it updates (the policy's `delay`): 1 for PipeDream2BW;
+        for PACI, the local updates each microbatch crossed between its forward and backward;
+        0 in the synchronous steps of a Sync Start."""
         for executor in self.stream.executors:
-            delays = [1] * len(executor.crossed) if isinstance(executor.policy, OneStepDelay) else list(executor.crossed)
+            delays = list(executor.crossed)
             executor.crossed.clear()
             self.delays_since_record[executor.stage] += delays
             self.delays_since_row[executor.stage] += delays

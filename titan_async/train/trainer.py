@@ -6,7 +6,8 @@
 - one step runner per schedule family, picked once (`_step_runner`): torch's schedules and no
   pipeline (`SynchronousSteps`), the single-process delayed-gradient rule
   (`training.gradient_delay = 1`, `DelayedSteps`), the streaming schedules and their emulation
-  (`StreamingSteps`: one window per step, drained before checkpoints, validation and the end).
+  (`StreamingSteps`: one window per step, drained before checkpoints, validation and the end,
+  and after each of the first `training.sync_start_steps` steps, which are synchronous).
 
 Gradient clipping: synchronous schedules clip the global norm (torchtitan). Streaming
 schedules have no global synchronisation point: each stage clips its own gradient to

@@ -91,6 +91,7 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True, simulation: Si
             "sequence_parallel": setup.sequence_parallel,
             "context_parallel": parallelism.context_parallel_degree,
             "schedule": layout.schedule,
+            "sync_start_steps": t.sync_start_steps,
             "microbatches": layout.microbatches,
             "accumulation_steps": layout.accumulation_steps,
             "window": layout.window,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from titan_async.commands.plan.memory import STATE_COMPONENTS, TRANSPORT_COMPONENTS, gib
+from titan_async.pipeline.config import sync_start_text
 
 TIGHT = 0.9
 """A rank above this share of --gpu-memory fits, but is reported as tight."""
@@ -220,6 +221,8 @@ def _header(plan: dict[str, Any]) -> list[str]:
         f"{'' if l['float8'] == 'none' else ', float8 ' + l['float8'] + ' linears'}; "
         f"activation checkpointing {l['activation_checkpoint']}; optimizer {l['optimizer']}"
         f"{' + error feedback' if l['error_feedback'] else ''}",
+        *([f"sync start: {sync_start_text(l['sync_start_steps'], schedule if l['pipeline_stages'] > 1 else 'training.gradient_delay = 1')}"]
+          if l["sync_start_steps"] else []),
     ]
 
 
