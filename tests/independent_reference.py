@@ -608,15 +608,20 @@ class ForwardTimeValues:
 
 @one_thread
 def paci(settings: Settings, batches: list[list[Microbatch]], drains: set[int], late: int = 0,
-         backward_weights: str = "current", lagged_clip: int | None = None) -> Result:
+         backward_weights: str = "current", sync_start: int = 0, lagged_clip: int | None = None) -> Result:
     """PACI on 2 stages: stage s keeps 1 - s microbatches in flight and steps after every `a` of
     its backwards, the stream drained after the steps in `drains`. Update u of a stage runs at
     the lr of scheduler step floor((u - 1) a / m). Controls: `late` steps that many backwards
     later; `backward_weights="forward"` runs a backward that crossed a local step at the
-    forward's weights (a stash, as PipeDream keeps), not the current ones. `lagged_clip` as in
-    `two_bw`: update u covers microbatches [(u - 1) a, u a), so it applies a batch fed at step
-    floor((u a - 1) / m) + 1, and the row of step t logs update floor(t m / a)."""
+    forward's weights (a stash, as PipeDream keeps), not the current ones.
+    Sync Start: the first `sync_start` steps are synchronous (each stage steps once per batch,
+    u at lr step u - 1, the stream drained after each); the rule above then counts its
+    backwards and updates from there (update N + v at lr step N + floor((v - 1) a / m)).
+    `lagged_clip` as in `two_bw` (without Sync Start): update u covers microbatches
+    [(u - 1) a, u a), so it applies a batch fed at step floor((u a - 1) / m) + 1, and the row of
+    step t logs update floor(t m / a)."""
     a, m = settings.accumulation or settings.microbatches, settings.microbatches
+    drains = drains | set(range(1, sync_start + 1))
     model = build_model(settings)
     stages = [Stage(model, 0), Stage(model, 1)]
     optimizers = [StageOptimizer(named, settings, settings.dim // settings.n_heads) for named in stage_params(model)]
@@ -628,8 +633,14 @@ def paci(settings: Settings, batches: list[list[Microbatch]], drains: set[int], 
 
     def after_backward(stage: int) -> None:
         counts[stage] += 1
-        if counts[stage] >= a + late and (counts[stage] - late) % a == 0:
-            optimizers[stage].step(updates[stage] * a // m)
+        if counts[stage] <= sync_start * m:
+            if counts[stage] % m == 0:
+                optimizers[stage].step(updates[stage])
+                updates[stage] += 1
+            return
+        count, update = counts[stage] - sync_start * m, updates[stage] - sync_start
+        if count >= a + late and (count - late) % a == 0:
+            optimizers[stage].step(sync_start + update * a // m)
             updates[stage] += 1
 
     in_flight: list[tuple[int, dict, torch.Tensor, Microbatch]] = []  # stage 0's: (index, weights then, output grad, microbatch)

@@ -6,9 +6,9 @@ one after).
 The synchronous baseline is the same config under torch's 1F1B. It clips the global gradient
 norm while each streaming stage clips its own, so `training.max_norm` is set above every norm
 here: no clip is active and both compute the same updates. The later steps are checked against
-`independent_reference.two_bw(sync_start=N)`, which imports nothing from titan_async, to 1e-5
-relative (as tests/test_independent_reference.py), and a reference that switches one step late
-must not match."""
+`independent_reference.two_bw(sync_start=N)` and `paci(sync_start=N)` (a = m and a = 3), which
+import nothing from titan_async, to 1e-5 relative (as tests/test_independent_reference.py), and
+a reference that switches one step late (or never) must not match."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from titan_async.pipeline.versions import LocalAccumulation, TwoVersions
 
 N = 3
 STEPS = 6
+M, A = 4, 3
+"""Microbatches per step (TINY's local batch of 4, microbatches of 1), and the PACI run's local accumulation."""
 SETTINGS = (*TINY, f"training.steps={STEPS}", f"lr_scheduler.total_steps={STEPS}", "checkpoint.interval=2",
             "validation.enable=false", "training.max_norm=1000", "parallelism.pipeline_parallel_microbatch_size=1")
 SYNC_START = (f"training.sync_start_steps={N}",)
@@ -36,12 +38,14 @@ def train(run_dir: Path, *assignments: str, config: str = "debug_cpu_pp2.toml", 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """The 2BW and PACI runs with Sync Start, the synchronous (1F1B) baseline, and in one
+    """The 2BW and PACI (a = m, a = 3) runs with Sync Start, the synchronous (1F1B) baseline, and in one
     process with Sync Start: the delayed rule (`training.gradient_delay = 1`) and PACI's emulation."""
     root = tmp_path_factory.mktemp("sync_start")
     return {
         "2bw": train(root / "2bw", "parallelism.pipeline_parallel_schedule=PipeDream2BW", *SYNC_START),
         "paci": train(root / "paci", "parallelism.pipeline_parallel_schedule=PACI", *SYNC_START),
+        "paci_a3": train(root / "paci_a3", "parallelism.pipeline_parallel_schedule=PACI", f"parallelism.paci.accumulation={A}",
+                         *SYNC_START),
         "1f1b": train(root / "1f1b", "parallelism.pipeline_parallel_schedule=1F1B"),
         "delay": train(root / "delay", "training.gradient_delay=1", *SYNC_START, config="debug_cpu.toml", nproc=1),
         "emulated_paci": train(root / "emulated_paci", "parallelism.pipeline_parallel_schedule=PACI", "parallelism.emulated_stages=2",
@@ -49,16 +53,17 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-def differences(run: Path, result: ref.Result) -> dict[str, float]:
+def differences(run: Path, result: ref.Result, update_of_step=lambda step: step) -> dict[str, float]:
     """The largest relative difference from `result` of the per-step losses, the logged global
-    gradient norms (the row of step t holds the norm of update t, which applies batch t - 1, for
-    2BW and for PACI with a = m) and the final weights (per tensor, over the run's norm)."""
+    gradient norms (the row of step t holds the norm of update `update_of_step(t)`, the last that
+    applies only batches up to t - 1: t for 2BW and for PACI with a = m) and the final weights
+    (per tensor, over the run's norm)."""
     weights = checkpoint_weights(run / "checkpoint" / f"step-{STEPS}")
     logged = metrics(run)
     assert sorted(logged) == sorted(result.losses) == list(range(1, STEPS + 1))
     return {
         "loss": max(abs(result.losses[step] / row["loss_metrics/global_avg_loss"] - 1) for step, row in logged.items()),
-        "grad_norm": max(abs(result.global_norm(step) / row["grad_norm"] - 1) for step, row in logged.items()),
+        "grad_norm": max(abs(result.global_norm(update_of_step(step)) / row["grad_norm"] - 1) for step, row in logged.items()),
         "weights": max(float((result.weights[k] - weights[k]).norm() / weights[k].norm()) for k in weights),
     }
 
@@ -80,7 +85,7 @@ def reference_inputs(run: Path):
     return settings, ref.read_batches(run / "batches", settings)
 
 
-@pytest.mark.parametrize("schedule", ["2bw", "paci"])
+@pytest.mark.parametrize("schedule", ["2bw", "paci", "paci_a3"])
 def test_the_first_steps_equal_the_synchronous_run(runs, schedule):
     """Bit for bit: the same microbatches accumulate in the same order, and no clip is active.
     The last step differs: the run did switch. (PACI's step N + 2 is synchronous too: on 2
@@ -114,15 +119,20 @@ def test_2bw_with_fsdp_follows_the_reference(tmp_path):
     assert_different(differences(run, ref.two_bw(settings, batches, sync_start=N + 1)))
 
 
-def test_paci_follows_the_reference_drained_through_step_n(runs):
-    """PACI with a = m: synchronous is a stream drained after every step, so the reference is
-    PACI's drained after steps 1..N (and at the checkpoints); drained only at the checkpoints,
-    the control."""
-    run = runs["paci"]
+@pytest.mark.parametrize("run_name, a, controls", [("paci", M, (0,)), ("paci_a3", A, (N + 1, 0))])
+def test_paci_follows_the_reference_that_switches_at_step_n(runs, run_name, a, controls):
+    """`independent_reference.paci(sync_start=N)`: one step per batch and a drain after each of
+    steps 1..N, then a step every `a` backwards counted from the switch. Controls: no Sync Start,
+    and (for a != m) a switch one step late; with a = m that one is the run itself, whose stream
+    drained at the checkpoint of step N + 1 anyway."""
+    run = runs[run_name]
     settings, batches = reference_inputs(run)
+    assert settings.accumulation in (None, a) and settings.microbatches == M
     drains = ref.drain_steps(run)
-    assert_equal(differences(run, ref.paci(settings, batches, drains | set(range(1, N + 1)))))
-    assert_different(differences(run, ref.paci(settings, batches, drains)))
+    update_of_step = lambda step: step if step <= N else N + (step - N) * M // a
+    assert_equal(differences(run, ref.paci(settings, batches, drains, sync_start=N), update_of_step))
+    for control in controls:
+        assert_different(differences(run, ref.paci(settings, batches, drains, sync_start=control), update_of_step))
 
 
 @pytest.mark.parametrize("single, pipelined", [("delay", "2bw"), ("emulated_paci", "paci")])
