@@ -16,7 +16,8 @@ checks). What it takes from elsewhere:
   them, which the run writes when `TITAN_ASYNC_BATCH_LOG=DIR` is set (one JSON line per
   microbatch, DIR/rank<R>.jsonl; a compromise: the data loader is not re-implemented here); with
   FSDP every data rank's local batch (rank d's log: torchtitan's mesh puts pp outermost), joined
-  into the global batch under one loss normalisation (the sum over its valid tokens);
+  into the global batch under one loss normalisation (the sum over its valid tokens); with
+  gradient accumulation a data rank's accumulated local batches are one batch of the stream;
 - the MoE model (`model.family = "qwen3_moe"`): torchtitan's Qwen3 MoE modules, the load-balancing
   rule of torchtitan's optimizer pre-hook (`_update_expert_bias`: per block, bias += d - mean(d),
   d = coeff * sign(mean(count) - count)) written out; torchtitan's bfloat16 experts only;
@@ -105,10 +106,13 @@ class Settings:
     load_balance_coeff: float = 0.0
     data_ranks: int = 1
     """The data-parallel (FSDP) degree: each data rank trains its own local batch."""
+    local_batches: int = 1
+    """The local batches each data rank accumulates per step (global batch / (local batch x data ranks))."""
 
     @property
     def microbatches(self) -> int:
-        return self.local_batch_size // self.microbatch_size
+        """A data rank's microbatches per step, its accumulated local batches' included."""
+        return self.local_batch_size // self.microbatch_size * self.local_batches
 
 
 def read_settings(run_dir: Path, vocab_size: int) -> Settings:
@@ -122,7 +126,9 @@ def read_settings(run_dir: Path, vocab_size: int) -> Settings:
     assert data_ranks >= 1, "the resolved config names the degree"
     assert p.get("data_parallel_replicate_degree", 1) == 1 and p.get("tensor_parallel_degree", 1) == 1
     assert p.get("expert_parallel_degree", 1) == 1 and p.get("context_parallel_degree", 1) == 1
-    assert t["dtype"] == "float32" and t.get("global_batch_size", -1) in (-1, t["local_batch_size"] * data_ranks)
+    assert t["dtype"] == "float32"
+    local_batches = max(1, t.get("global_batch_size", -1) // (t["local_batch_size"] * data_ranks))
+    assert t.get("global_batch_size", -1) in (-1, local_batches * t["local_batch_size"] * data_ranks)
     if m["family"] == "qwen3_moe":
         assert m["weight_tying"] in ("preset", False) and m["load_balance_coeff"] > 0
         assert m.get("expert_precision", "bfloat16") == "bfloat16", "the experts are torchtitan's bfloat16 ones"
@@ -140,7 +146,7 @@ def read_settings(run_dir: Path, vocab_size: int) -> Settings:
         optimizer=o["name"], adamw_lr=muon["adamw_lr"] if o["name"] == "muon" else o["lr"], momentum=muon["momentum"],
         nesterov=muon["nesterov"], ns_steps=muon["ns_steps"], error_feedback=ef["coefficient"] if ef["enabled"] else None,
         family=m["family"], num_experts=m.get("num_experts", 0), top_k=m.get("top_k", 0), moe_hidden_dim=m.get("moe_hidden_dim", 0),
-        load_balance_coeff=m.get("load_balance_coeff", 0.0), data_ranks=data_ranks,
+        load_balance_coeff=m.get("load_balance_coeff", 0.0), data_ranks=data_ranks, local_batches=local_batches,
     )
 
 
@@ -286,11 +292,12 @@ def read_rank_log(batch_log: Path, rank: int) -> dict[str, torch.Tensor]:
 
 
 def read_batches(batch_log: Path, settings: Settings, data_ranks: list[int] | None = None) -> list[list[Microbatch]]:
-    """The run's global batches, each cut into its microbatches: data rank d's local batch (the
-    log of rank d; torchtitan's mesh puts pp outermost, so ranks d, D + d, ... are data rank d's
-    stages, which log the same batches) followed by the next data rank's. `data_ranks` (a
-    control) takes only those data ranks' local batches."""
-    dp, size, n, b = settings.data_ranks, settings.microbatch_size, settings.steps, settings.local_batch_size
+    """The run's global batches, each cut into its microbatches: data rank d's accumulated local
+    batches (the log of rank d; torchtitan's mesh puts pp outermost, so ranks d, D + d, ... are
+    data rank d's stages, which log the same batches) followed by the next data rank's.
+    `data_ranks` (a control) takes only those data ranks' local batches."""
+    dp, size, n = settings.data_ranks, settings.microbatch_size, settings.steps
+    b = settings.local_batch_size * settings.local_batches
     assert len(list(Path(batch_log).glob("rank*.jsonl"))) == 2 * dp, "2 stages x the data ranks"
     logs = []
     for d in range(dp) if data_ranks is None else data_ranks:
@@ -446,6 +453,14 @@ def balance_load(model: nn.Module, counts: torch.Tensor, coeff: float) -> None:
         block.expert_bias_E.add_(delta - delta.mean())
 
 
+def local_batch_parts(batch: list[Microbatch], settings: Settings) -> list[list[Microbatch]]:
+    """Part g: every data rank's g-th accumulated local batch (a batch holds data rank d's local
+    batches, in order, before data rank d + 1's)."""
+    per_local, count = settings.local_batch_size // settings.microbatch_size, settings.local_batches
+    chunks = [batch[i:i + per_local] for i in range(0, len(batch), per_local)]
+    return [[mb for d in range(settings.data_ranks) for mb in chunks[d * count + g]] for g in range(count)]
+
+
 @one_thread
 def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "exact", bias_counts: str = "delayed",
            **optimizer_options) -> Result:
@@ -453,6 +468,8 @@ def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "
     With experts the biases are part of W and move by the load-balancing rule from the counts of
     batch k routed at W[k-1] (the microbatches whose gradient the update applies).
     Controls: "stale" applies the update to W[k-1]; "no_delay" takes the gradient at W[k];
+    "one_at_a_time" makes each accumulated local batch an update of its own (`local_batch_parts`,
+    under the step's lr and loss normalisation);
     `bias_counts="next"` moves the biases by the counts of batch k+1 routed at W[k] (the batch
     the pipeline is forwarding when it steps; none after the last);
     `optimizer_options` (StageOptimizer's `error_feedback`, `whole_qkv`) change the optimizer."""
@@ -463,35 +480,36 @@ def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "
     moe = settings.family == "qwen3_moe"
     losses = {}
     for k, batch in enumerate(batches):
-        at = model if variant == "no_delay" else previous
-        at.zero_grad()
-        if moe:
-            expert_counts(at)
         n, total = valid_tokens(batch), 0.0
-        for mb in batch:
-            loss = summed_loss(at(mb.tokens, positions=mb.positions, attention_masks=document_mask(mb.positions)), mb.labels) / n
-            loss.backward()
-            total += loss.item()
+        for part in local_batch_parts(batch, settings) if variant == "one_at_a_time" else [batch]:
+            at = model if variant == "no_delay" else previous
+            at.zero_grad()
+            if moe:
+                expert_counts(at)
+            for mb in part:
+                loss = summed_loss(at(mb.tokens, positions=mb.positions, attention_masks=document_mask(mb.positions)), mb.labels) / n
+                loss.backward()
+                total += loss.item()
+            if moe:
+                counts = expert_counts(at)
+                if bias_counts == "next":
+                    counts = torch.zeros_like(counts)
+                    if k + 1 < len(batches):
+                        with torch.no_grad():
+                            for mb in batches[k + 1]:
+                                model(mb.tokens, positions=mb.positions, attention_masks=document_mask(mb.positions))
+                        counts = expert_counts(model)
+            latest = copy.deepcopy(model.state_dict())
+            if variant == "stale":
+                model.load_state_dict(previous.state_dict())
+            if moe:
+                balance_load(model, counts, settings.load_balance_coeff)
+            for param, source in zip(model.parameters(), at.parameters()):
+                param.grad = source.grad.clone()
+            for optimizer in optimizers:
+                optimizer.step(k)
+            previous.load_state_dict(latest)
         losses[k + 1] = total
-        if moe:
-            counts = expert_counts(at)
-            if bias_counts == "next":
-                counts = torch.zeros_like(counts)
-                if k + 1 < len(batches):
-                    with torch.no_grad():
-                        for mb in batches[k + 1]:
-                            model(mb.tokens, positions=mb.positions, attention_masks=document_mask(mb.positions))
-                    counts = expert_counts(model)
-        latest = copy.deepcopy(model.state_dict())
-        if variant == "stale":
-            model.load_state_dict(previous.state_dict())
-        if moe:
-            balance_load(model, counts, settings.load_balance_coeff)
-        for param, source in zip(model.parameters(), at.parameters()):
-            param.grad = source.grad.clone()
-        for optimizer in optimizers:
-            optimizer.step(k)
-        previous.load_state_dict(latest)
     return Result(losses, weights(model), [o.norms for o in optimizers])
 
 
@@ -552,6 +570,7 @@ def paci(settings: Settings, batches: list[list[Microbatch]], drains: set[int], 
     the lr of scheduler step floor((u - 1) a / m). Controls: `late` steps that many backwards
     later; `backward_weights="forward"` runs a backward that crossed a local step at the
     forward's weights (a stash, as PipeDream keeps), not the current ones."""
+    assert settings.data_ranks == 1, "one data rank's stream"
     a, m = settings.accumulation or settings.microbatches, settings.microbatches
     model = build_model(settings)
     stages = [Stage(model, 0), Stage(model, 1)]

@@ -7,7 +7,8 @@ test's controls (a plausible wrong rule) must not.
 
 `training.max_norm = 0.1` makes the last stage clip (its gradient norm is about 0.3) while the
 first does not (about 0.05): a global clip would differ. The checkpoint at step 3 drains the
-stream mid-run. PipeDream2BW also runs on PP 2 x FSDP 2 (4 processes; the reference joins both
+stream mid-run. PipeDream2BW and PACI also accumulate two local batches per step (the
+reference trains on them as one batch). PipeDream2BW also runs on PP 2 x FSDP 2 (4 processes; the reference joins both
 data ranks' batches) and with torchtitan's Qwen3 MoE (expert biases and their load balancing)."""
 
 from __future__ import annotations
@@ -85,13 +86,31 @@ def test_the_independent_reference_imports_nothing_from_titan_async():
     assert "titan_async" not in Path(ref.__file__).read_text()
 
 
-def test_paci_equals_the_independent_reference(tmp_path):
-    """a = 3 of m = 8 microbatches: each stage steps inside batches, at different moments on the
-    two stages, and stage 0's microbatch in flight crosses a local step every third microbatch
-    (not after the drain at step 3)."""
-    a, m = 3, 8
-    run = pipelined(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PACI", f"parallelism.paci.accumulation={a}")
+ACCUMULATION = ("training.local_batch_size=4", "training.global_batch_size=8")
+"""Two local batches of 4 accumulated per step: the same 8 microbatches per step as SETTINGS."""
+
+
+def test_2bw_with_accumulation_equals_the_independent_reference(tmp_path):
+    """PipeDream2BW accumulating two local batches per step, against `ref.two_bw` on the
+    accumulated microbatches as one batch. Control: each local batch an update of its own."""
+    run = pipelined(tmp_path / "run", *ACCUMULATION, "parallelism.pipeline_parallel_schedule=PipeDream2BW")
     settings, batches, weights = reference_inputs(run)
+    assert settings.local_batches == 2 and len(batches[0]) == 8
+    update_of_step = lambda step: step
+    assert_equal(differences(run, weights, ref.two_bw(settings, batches), update_of_step))
+    assert_different(differences(run, weights, ref.two_bw(settings, batches, variant="one_at_a_time"), update_of_step))
+
+
+def test_paci_with_accumulation_equals_the_independent_reference(tmp_path):
+    """`ref.paci`, a = 3 of m = 8 microbatches (two accumulated local batches of 4): each stage
+    steps inside batches and across their local batches, at different moments on the two stages,
+    and stage 0's microbatch in flight crosses a local step every third microbatch (not after the
+    drain at step 3)."""
+    a, m = 3, 8
+    run = pipelined(tmp_path / "run", *ACCUMULATION, "parallelism.pipeline_parallel_schedule=PACI",
+                    f"parallelism.paci.accumulation={a}")
+    settings, batches, weights = reference_inputs(run)
+    assert settings.local_batches == 2 and settings.microbatches == m
     drains = ref.drain_steps(run)
     assert drains == {3, STEPS}
     update_of_step = lambda step: step * m // a  # the last update whose microbatches all belong to batches up to t - 1
