@@ -15,7 +15,7 @@ checks). What it takes from elsewhere:
 - the batches: the token ids, positions and labels the run trained on, in the order it consumed
   them, which the run writes when `TITAN_ASYNC_BATCH_LOG=DIR` is set (one JSON line per
   microbatch, DIR/rank<R>.jsonl; a compromise: the data loader is not re-implemented here); with
-  FSDP every data rank's local batch (rank d's log: torchtitan's mesh puts pp outermost), joined
+  FSDP or replicas (DDP) every data rank's local batch (rank d's log: torchtitan's mesh puts pp outermost), joined
   into the global batch under one loss normalisation (the sum over its valid tokens); with
   gradient accumulation a data rank's accumulated local batches are one batch of the stream;
 - the MoE model (`model.family = "qwen3_moe"`): torchtitan's Qwen3 MoE modules, the load-balancing
@@ -105,7 +105,7 @@ class Settings:
     moe_hidden_dim: int = 0
     load_balance_coeff: float = 0.0
     data_ranks: int = 1
-    """The data-parallel (FSDP) degree: each data rank trains its own local batch."""
+    """The data-parallel degree (replicas x FSDP shards): each data rank trains its own local batch."""
     local_batches: int = 1
     """The local batches each data rank accumulates per step (global batch / (local batch x data ranks))."""
 
@@ -122,9 +122,9 @@ def read_settings(run_dir: Path, vocab_size: int) -> Settings:
     assert m["family"] in ("llama3", "qwen3_moe") and m["preset"] == "debugmodel" and m["n_kv_heads"] in (0, m["n_heads"])
     assert m["multiple_of"] == -1 and m["ffn_dim_multiplier"] == -1.0 and m["float8"] == "none"
     assert m["n_layers"] == 4 and p["pipeline_parallel_degree"] == 2, "the stage split is hard-coded for 2 stages of 4 layers"
-    data_ranks = p["data_parallel_shard_degree"]
-    assert data_ranks >= 1, "the resolved config names the degree"
-    assert p.get("data_parallel_replicate_degree", 1) == 1 and p.get("tensor_parallel_degree", 1) == 1
+    data_ranks = p["data_parallel_shard_degree"] * p["data_parallel_replicate_degree"]
+    assert data_ranks >= 1, "the resolved config names the degrees"
+    assert p.get("tensor_parallel_degree", 1) == 1
     assert p.get("expert_parallel_degree", 1) == 1 and p.get("context_parallel_degree", 1) == 1
     assert t["dtype"] == "float32"
     local_batches = max(1, t.get("global_batch_size", -1) // (t["local_batch_size"] * data_ranks))

@@ -8,8 +8,9 @@ test's controls (a plausible wrong rule) must not.
 `training.max_norm = 0.1` makes the last stage clip (its gradient norm is about 0.3) while the
 first does not (about 0.05): a global clip would differ. The checkpoint at step 3 drains the
 stream mid-run. PipeDream2BW and PACI also accumulate two local batches per step (the
-reference trains on them as one batch). PipeDream2BW also runs on PP 2 x FSDP 2 (4 processes; the reference joins both
-data ranks' batches) and with torchtitan's Qwen3 MoE (expert biases and their load balancing)."""
+reference trains on them as one batch). PipeDream2BW also runs on PP 2 x FSDP 2 and on PP 2 x
+2 DDP replicas (4 processes; the reference joins both data ranks' batches) and with
+torchtitan's Qwen3 MoE (expert biases and their load balancing)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 import independent_reference as ref
+import nccl_model
 from conftest import CONFIGS, TINY, checkpoint_weights, metrics, run_cli, sets
 
 STEPS = 6
@@ -26,8 +28,10 @@ SETTINGS = (*TINY, "training.local_batch_size=8", f"training.steps={STEPS}", "ch
 
 
 def pipelined(run_dir: Path, *assignments: str, config: str = "debug_cpu_pp2.toml", nproc: int = 2) -> Path:
+    """Train, logging every rank's batches under run_dir/batches and communication under run_dir/comm."""
     run_cli("train", "--config", str(CONFIGS / config), "--nproc-per-node", str(nproc), "--run-dir", str(run_dir),
-            *sets(*SETTINGS, *assignments), env={"TITAN_ASYNC_BATCH_LOG": str(run_dir / "batches")})
+            *sets(*SETTINGS, *assignments),
+            env={"TITAN_ASYNC_BATCH_LOG": str(run_dir / "batches"), "TITAN_ASYNC_COMM_LOG": str(run_dir / "comm")})
     return run_dir
 
 
@@ -163,3 +167,21 @@ def test_2bw_with_fsdp_equals_the_independent_reference(tmp_path):
     one_rank = ref.read_batches(run / "batches", settings, data_ranks=[0])
     assert_different(differences(run, weights, ref.two_bw(settings, one_rank), update_of_step))
     assert_different(differences(run, weights, ref.two_bw(settings, batches, variant="stale"), update_of_step))
+
+
+def test_2bw_with_replicas_equals_the_independent_reference(tmp_path):
+    """PP 2 x 2 replicas (DDP, 4 processes), PipeDream2BW, AdamW, against `ref.two_bw` on both
+    data ranks' batches joined (as with FSDP). Controls: data rank 0's batches alone (the
+    gradients not averaged over the replicas), and the update written into the stale version.
+    The run's communication also keeps NCCL's ordering rules (nccl_model)."""
+    run = pipelined(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PipeDream2BW",
+                    "parallelism.data_parallel_shard_degree=1", "parallelism.data_parallel_replicate_degree=2",
+                    config="debug_cpu_pp2_fsdp2.toml", nproc=4)
+    settings, batches, weights = reference_inputs(run)
+    assert settings.data_ranks == 2 and len(batches[0]) == 2 * settings.microbatches
+    update_of_step = lambda step: step
+    assert_equal(differences(run, weights, ref.two_bw(settings, batches), update_of_step))
+    one_rank = ref.read_batches(run / "batches", settings, data_ranks=[0])
+    assert_different(differences(run, weights, ref.two_bw(settings, one_rank), update_of_step))
+    assert_different(differences(run, weights, ref.two_bw(settings, batches, variant="stale"), update_of_step))
+    nccl_model.assert_nccl_safe(run / "comm", stages=2, ranks_per_stage=2)
