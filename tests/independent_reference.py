@@ -15,9 +15,10 @@ checks). What it takes from elsewhere:
 - the batches: the token ids, positions and labels the run trained on, in the order it consumed
   them, which the run writes when `TITAN_ASYNC_BATCH_LOG=DIR` is set (one JSON line per
   microbatch, DIR/rank<R>.jsonl; a compromise: the data loader is not re-implemented here); with
-  FSDP or replicas (DDP) every data rank's local batch (rank d's log: torchtitan's mesh puts pp outermost), joined
-  into the global batch under one loss normalisation (the sum over its valid tokens); with
-  gradient accumulation a data rank's accumulated local batches are one batch of the stream;
+  FSDP or replicas (DDP) every data rank's local batch (`data_rank_ranks`: its TP ranks log the
+  same batches), joined into the global batch under one loss normalisation (the sum over its
+  valid tokens); with gradient accumulation a data rank's accumulated local batches are one
+  batch of the stream;
 - the MoE model (`model.family = "qwen3_moe"`): torchtitan's Qwen3 MoE modules, the load-balancing
   rule of torchtitan's optimizer pre-hook (`_update_expert_bias`: per block, bias += d - mean(d),
   d = coeff * sign(mean(count) - count)) written out; torchtitan's bfloat16 experts only;
@@ -108,6 +109,8 @@ class Settings:
     """The data-parallel degree (replicas x FSDP shards): each data rank trains its own local batch."""
     local_batches: int = 1
     """The local batches each data rank accumulates per step (global batch / (local batch x data ranks))."""
+    tensor_ranks: int = 1
+    """The tensor-parallel degree: a data rank's TP ranks train its batches together."""
 
     @property
     def microbatches(self) -> int:
@@ -124,7 +127,7 @@ def read_settings(run_dir: Path, vocab_size: int) -> Settings:
     assert m["n_layers"] == 4 and p["pipeline_parallel_degree"] == 2, "the stage split is hard-coded for 2 stages of 4 layers"
     data_ranks = p["data_parallel_shard_degree"] * p["data_parallel_replicate_degree"]
     assert data_ranks >= 1, "the resolved config names the degrees"
-    assert p.get("tensor_parallel_degree", 1) == 1
+    tensor_ranks = p.get("tensor_parallel_degree", 1)
     assert p.get("expert_parallel_degree", 1) == 1 and p.get("context_parallel_degree", 1) == 1
     assert t["dtype"] == "float32"
     local_batches = max(1, t.get("global_batch_size", -1) // (t["local_batch_size"] * data_ranks))
@@ -147,6 +150,7 @@ def read_settings(run_dir: Path, vocab_size: int) -> Settings:
         nesterov=muon["nesterov"], ns_steps=muon["ns_steps"], error_feedback=ef["coefficient"] if ef["enabled"] else None,
         family=m["family"], num_experts=m.get("num_experts", 0), top_k=m.get("top_k", 0), moe_hidden_dim=m.get("moe_hidden_dim", 0),
         load_balance_coeff=m.get("load_balance_coeff", 0.0), data_ranks=data_ranks, local_batches=local_batches,
+        tensor_ranks=tensor_ranks,
     )
 
 
@@ -291,19 +295,28 @@ def read_rank_log(batch_log: Path, rank: int) -> dict[str, torch.Tensor]:
     return {key: torch.cat([torch.tensor(r[key]) for r in rows]) for key in ("input", "positions", "labels")}
 
 
+def data_rank_ranks(settings: Settings, data_rank: int) -> list[int]:
+    """The global ranks that train data rank `data_rank`'s batches: torchtitan's mesh orders its
+    dimensions pp, dp_replicate, dp_shard, tp (outermost first), so stage s, data rank d, TP rank
+    t is rank (s D + d) T + t."""
+    dp, tp = settings.data_ranks, settings.tensor_ranks
+    return [(stage * dp + data_rank) * tp + t for stage in range(len(STAGES)) for t in range(tp)]
+
+
 def read_batches(batch_log: Path, settings: Settings, data_ranks: list[int] | None = None) -> list[list[Microbatch]]:
     """The run's global batches, each cut into its microbatches: data rank d's accumulated local
-    batches (the log of rank d; torchtitan's mesh puts pp outermost, so ranks d, D + d, ... are
-    data rank d's stages, which log the same batches) followed by the next data rank's.
-    `data_ranks` (a control) takes only those data ranks' local batches."""
+    batches (every rank of the data rank logs the same ones, `data_rank_ranks`) followed by the
+    next data rank's. `data_ranks` (a control) takes only those data ranks' local batches."""
     dp, size, n = settings.data_ranks, settings.microbatch_size, settings.steps
     b = settings.local_batch_size * settings.local_batches
-    assert len(list(Path(batch_log).glob("rank*.jsonl"))) == 2 * dp, "2 stages x the data ranks"
+    assert len(list(Path(batch_log).glob("rank*.jsonl"))) == len(STAGES) * dp * settings.tensor_ranks, "every rank's log"
     logs = []
     for d in range(dp) if data_ranks is None else data_ranks:
-        log = read_rank_log(batch_log, d)
-        later = read_rank_log(batch_log, dp + d)  # the same data rank's last stage
-        assert all(torch.equal(log[key], later[key]) for key in log), f"ranks {d} and {dp + d} are not one data rank"
+        first, *others = data_rank_ranks(settings, d)
+        log = read_rank_log(batch_log, first)
+        for rank in others:
+            other = read_rank_log(batch_log, rank)
+            assert all(torch.equal(log[key], other[key]) for key in log), f"ranks {first} and {rank} are not one data rank"
         assert log["input"].shape[0] == n * b, (log["input"].shape, n, b)
         logs.append(log)
     return [[Microbatch(log["input"][i:i + size], log["positions"][i:i + size], log["labels"][i:i + size])

@@ -60,6 +60,15 @@ def assert_equal(found: dict[str, float]) -> None:
     assert max(found.values()) < 1e-5, found
 
 
+def assert_equal_with_resharded_norms(found: dict[str, float]) -> None:
+    """Losses and weights to 1e-5, gradient norms to 1e-4: the run sums a stage's float32 squares
+    over shards (FSDP, TP), the reference over whole tensors, and torch's foreach norm of
+    lm_head's 131k entries alone is 1e-5 relative from the float64 norm (each test gives its
+    measurement)."""
+    print("reference:", found)
+    assert found["loss"] < 1e-5 and found["weights"] < 1e-5 and found["grad_norm"] < 1e-4, found
+
+
 def assert_different(found: dict[str, float]) -> None:
     """A control: far from the run, not within rounding of it."""
     print("control:", found)
@@ -162,9 +171,7 @@ def test_2bw_with_fsdp_equals_the_independent_reference(tmp_path):
     settings, batches, weights = reference_inputs(run)
     assert settings.data_ranks == 2 and len(batches[0]) == 2 * settings.microbatches
     update_of_step = lambda step: step
-    found = differences(run, weights, ref.two_bw(settings, batches), update_of_step)
-    print("reference:", found)
-    assert found["loss"] < 1e-5 and found["weights"] < 1e-5 and found["grad_norm"] < 1e-4, found
+    assert_equal_with_resharded_norms(differences(run, weights, ref.two_bw(settings, batches), update_of_step))
     one_rank = ref.read_batches(run / "batches", settings, data_ranks=[0])
     assert_different(differences(run, weights, ref.two_bw(settings, one_rank), update_of_step))
     assert_different(differences(run, weights, ref.two_bw(settings, batches, variant="stale"), update_of_step))
@@ -206,9 +213,7 @@ def test_2bw_muon_with_hsdp_equals_the_independent_reference(tmp_path):
     settings, batches, weights = reference_inputs(run)
     assert settings.optimizer == "muon" and settings.data_ranks == 4 and len(batches[0]) == 4 * settings.microbatches
     update_of_step = lambda step: step
-    found = differences(run, weights, ref.two_bw(settings, batches), update_of_step)
-    print("reference:", found)
-    assert found["loss"] < 1e-5 and found["weights"] < 1e-5 and found["grad_norm"] < 1e-4, found
+    assert_equal_with_resharded_norms(differences(run, weights, ref.two_bw(settings, batches), update_of_step))
     one_replica = ref.read_batches(run / "batches", settings, data_ranks=[0, 1])
     assert_different(differences(run, weights, ref.two_bw(settings, one_replica), update_of_step))
     assert_different(differences(run, weights, ref.two_bw(settings, batches, error_feedback=False), update_of_step))
