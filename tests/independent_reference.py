@@ -21,7 +21,8 @@ checks). What it takes from elsewhere:
   batch of the stream;
 - the MoE model (`model.family = "qwen3_moe"`): torchtitan's Qwen3 MoE modules, the load-balancing
   rule of torchtitan's optimizer pre-hook (`_update_expert_bias`: per block, bias += d - mean(d),
-  d = coeff * sign(mean(count) - count)) written out; torchtitan's bfloat16 experts only;
+  d = coeff * sign(mean(count) - count)) written out, and with `model.expert_precision = "full"`
+  the experts' SwiGLU written out per expert in float32;
 - the optimizer: torch.optim.AdamW (fused, as configured), with torchtitan's warm-up/stable/decay
   learning-rate factor transcribed, and each stage's gradient clipped on its own when it steps;
 - the stage boundaries: hard-coded for 2 stages of 4 layers, as torchtitan splits them
@@ -46,6 +47,7 @@ The rules, written out:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import functools
@@ -59,6 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.common.param_init import skip_param_init
 from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init
 from torchtitan.models.llama3.model import Llama3Model
@@ -111,6 +114,10 @@ class Settings:
     """The local batches each data rank accumulates per step (global batch / (local batch x data ranks))."""
     tensor_ranks: int = 1
     """The tensor-parallel degree: a data rank's TP ranks train its batches together."""
+    expert_ranks: int = 1
+    """The expert-parallel degree: 1, or every data rank (the data ranks' tokens meet in the experts)."""
+    expert_precision: str = "bfloat16"
+    """torchtitan's bfloat16 experts, or "full": the experts multiply in float32 (`Float32Experts`)."""
 
     @property
     def microbatches(self) -> int:
@@ -128,13 +135,15 @@ def read_settings(run_dir: Path, vocab_size: int) -> Settings:
     data_ranks = p["data_parallel_shard_degree"] * p["data_parallel_replicate_degree"]
     assert data_ranks >= 1, "the resolved config names the degrees"
     tensor_ranks = p.get("tensor_parallel_degree", 1)
-    assert p.get("expert_parallel_degree", 1) == 1 and p.get("context_parallel_degree", 1) == 1
+    expert_ranks = p.get("expert_parallel_degree", 1)
+    assert expert_ranks in (1, data_ranks), "EP over every data rank of a stage, or none"
+    assert p.get("context_parallel_degree", 1) == 1
     assert t["dtype"] == "float32"
     local_batches = max(1, t.get("global_batch_size", -1) // (t["local_batch_size"] * data_ranks))
     assert t.get("global_batch_size", -1) in (-1, local_batches * t["local_batch_size"] * data_ranks)
     if m["family"] == "qwen3_moe":
         assert m["weight_tying"] in ("preset", False) and m["load_balance_coeff"] > 0
-        assert m.get("expert_precision", "bfloat16") == "bfloat16", "the experts are torchtitan's bfloat16 ones"
+        assert m.get("expert_precision", "bfloat16") in ("bfloat16", "full")
     assert c["activation_checkpoint"]["mode"] == "none" and o["name"] in ("adamw", "muon")
     muon, ef = o["muon"], o["error_feedback"]
     if o["name"] == "muon":
@@ -150,7 +159,7 @@ def read_settings(run_dir: Path, vocab_size: int) -> Settings:
         nesterov=muon["nesterov"], ns_steps=muon["ns_steps"], error_feedback=ef["coefficient"] if ef["enabled"] else None,
         family=m["family"], num_experts=m.get("num_experts", 0), top_k=m.get("top_k", 0), moe_hidden_dim=m.get("moe_hidden_dim", 0),
         load_balance_coeff=m.get("load_balance_coeff", 0.0), data_ranks=data_ranks, local_batches=local_batches,
-        tensor_ranks=tensor_ranks,
+        tensor_ranks=tensor_ranks, expert_ranks=expert_ranks, expert_precision=m.get("expert_precision", "bfloat16"),
     )
 
 
@@ -197,6 +206,20 @@ def document_mask(positions: torch.Tensor) -> torch.Tensor:
     return ((document.unsqueeze(2) == document.unsqueeze(1)) & causal).unsqueeze(1)
 
 
+class Float32Experts(GroupedExperts):
+    """torchtitan's grouped SwiGLU experts, w2(silu(w1 x) * w3 x) on each expert's rows, with the
+    matmuls written out per expert in the tokens' dtype: `model.expert_precision = "full"`."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        pass
+
+    def forward(self, x, num_tokens_per_expert):
+        outputs = [F.linear(F.silu(F.linear(rows, w1)) * F.linear(rows, w3), w2) for rows, w1, w2, w3 in zip(
+            x.split(num_tokens_per_expert.tolist()), self.w1_EFD, self.w2_EDF, self.w3_EFD)]
+        return torch.cat(outputs) if outputs else x[:0]
+
+
 def build_moe_model(settings: Settings) -> nn.Module:
     """torchtitan's Qwen3 MoE at the run's sizes (every block an MoE block, fused wqkv, head_dim =
     dim / n_heads, softmax top-k routing with torchtitan's defaults), this module's attention."""
@@ -208,6 +231,10 @@ def build_moe_model(settings: Settings) -> nn.Module:
         rope=CosSinRoPE.Config(dim=dim // heads, max_seq_len=131072, theta=settings.rope_theta))
     for layer in layers:
         layer.moe.load_balance_coeff = settings.load_balance_coeff
+        if settings.expert_precision == "full":
+            inner = layer.moe.routed_experts.inner_experts
+            layer.moe.routed_experts.inner_experts = Float32Experts.Config(
+                **{f.name: getattr(inner, f.name) for f in dataclasses.fields(inner)})
     config = Qwen3Model.Config(
         vocab_size=vocab, dim=dim, norm=_qwen3_norm(dim), enable_weight_tying=False,
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_QWEN3_EMBEDDING_INIT),
