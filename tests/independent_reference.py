@@ -386,8 +386,9 @@ def merge_qkv(blocks, head_dim: int) -> torch.Tensor:
 
 class StageOptimizer:
     """One stage's optimizers, stepped together: the stage's gradient clipped to max_norm on its
-    own, then AdamW (every parameter, or with Muon the embedding, head and non-matrices) and Muon
-    (the blocks' hidden matrices), each at its peak lr times the factor of scheduler step
+    own, then AdamW (every parameter, or with Muon the embedding, head, MoE routers' gates and
+    non-matrices) and Muon (the blocks' hidden matrices, and each matrix of an MoE block's
+    stacked experts on its own), each at its peak lr times the factor of scheduler step
     `lr_step`, and error feedback when configured: w -= u_t + c (u_t - u_{t-1}) from the second
     update on, u_t the optimizer's own update. `whole_qkv` (a control) orthogonalises the fused
     wqkv as one matrix instead of its Q, K and V blocks."""
@@ -398,7 +399,8 @@ class StageOptimizer:
         self.params = [p for _, p in named]
         self.ef = settings.error_feedback if error_feedback else None
         muon = settings.optimizer == "muon"
-        self.matrices = [(n, p) for n, p in named if muon and p.ndim == 2 and n.startswith("layers.")]
+        self.matrices = [(n, p) for n, p in named if muon and n.startswith("layers.") and (
+            (p.ndim == 2 and ".router." not in n) or (p.ndim == 3 and ".inner_experts." in n))]
         others = [p for n, p in named if not any(p is q for _, q in self.matrices)]
         self.adamw = torch.optim.AdamW(others, lr=settings.adamw_lr, betas=settings.betas, eps=settings.eps,
                                        weight_decay=settings.weight_decay, fused=True)
@@ -420,7 +422,9 @@ class StageOptimizer:
             m = (1 - mu) * grad + mu * buffer if settings.nesterov else buffer
             lr = settings.lr * factor
             scaled = lambda block: newton_schulz(block, settings.ns_steps) * 0.2 * math.sqrt(max(block.shape))
-            if name.endswith("wqkv.weight") and not self.whole_qkv:
+            if param.ndim == 3:
+                orthogonal = torch.stack([scaled(expert) for expert in m])
+            elif name.endswith("wqkv.weight") and not self.whole_qkv:
                 orthogonal = merge_qkv([scaled(b) for b in qkv_blocks(m, self.head_dim)], self.head_dim)
             else:
                 orthogonal = scaled(m)

@@ -11,7 +11,8 @@ stream mid-run. PipeDream2BW and PACI also accumulate two local batches per step
 reference trains on them as one batch). PipeDream2BW also runs on PP 2 x FSDP 2, on PP 2 x
 2 DDP replicas (4 processes) and, with Muon, on PP 2 x 2 replicas x FSDP 2 (8 processes), the
 reference joining every data rank's batches, and with torchtitan's Qwen3 MoE (expert biases
-and their load balancing), also on PP 2 x EP 2 (float32 experts)."""
+and their load balancing). test_tensor_parallel.py and test_moe.py compare PP 2 x TP 2 and
+PP 2 x EP 2 runs with the reference through this module's `pipelined` and `differences`."""
 
 from __future__ import annotations
 
@@ -219,31 +220,3 @@ def test_2bw_muon_with_hsdp_equals_the_independent_reference(tmp_path):
     assert_different(differences(run, weights, ref.two_bw(settings, batches, error_feedback=False), update_of_step))
     nccl_model.assert_nccl_safe(run / "comm", stages=2, ranks_per_stage=4)
 
-
-def test_2bw_moe_with_expert_parallel_equals_the_independent_reference(tmp_path):
-    """PP 2 x EP 2 (4 processes; each stage's 2 data ranks hold 4 of the 8 experts and exchange
-    tokens by all-to-all), PipeDream2BW, AdamW, against `ref.two_bw` on both data ranks' batches
-    joined, the biases moved by the counts summed over them. Controls: data rank 0's batches
-    alone, and the biases moved by the next batch's counts. The run's communication also keeps
-    NCCL's ordering rules (nccl_model).
-
-    The experts multiply in float32 (`model.expert_precision = "full"`, `ref.Float32Experts`):
-    in torchtitan's bfloat16 an EP rank rounds an expert's weight gradient once over both data
-    ranks' tokens, and float32 rounding differences elsewhere (each data rank's dense gradient
-    apart, then summed under FSDP) move values across bfloat16 rounding boundaries, which AdamW's
-    normalisation grows: measured 1.6e-4 apart on an expert stack after 6 steps even with the
-    data ranks' i-th microbatches forwarded together as EP does (4.1e-3 forwarded apart), losses
-    within 1.1e-7. In float32: losses 3.1e-8 and weights 7.2e-7 apart; gradient norms 4.9e-6, given
-    1e-4 as with FSDP alone (`assert_equal_with_resharded_norms`)."""
-    run = pipelined(tmp_path / "run", *MOE, "parallelism.pipeline_parallel_schedule=PipeDream2BW",
-                    "parallelism.data_parallel_shard_degree=2", "parallelism.expert_parallel_degree=2",
-                    "model.expert_precision=full", config="debug_cpu_pp2_fsdp2.toml", nproc=4)
-    settings, batches, weights = reference_inputs(run)
-    assert settings.expert_ranks == settings.data_ranks == 2 and len(batches[0]) == 2 * settings.microbatches
-    assert settings.expert_precision == "full"
-    update_of_step = lambda step: step
-    assert_equal_with_resharded_norms(differences(run, weights, ref.two_bw(settings, batches), update_of_step))
-    one_rank = ref.read_batches(run / "batches", settings, data_ranks=[0])
-    assert_different(differences(run, weights, ref.two_bw(settings, one_rank), update_of_step))
-    assert_different(differences(run, weights, ref.two_bw(settings, batches, bias_counts="next"), update_of_step))
-    nccl_model.assert_nccl_safe(run / "comm", stages=2, ranks_per_stage=2)
