@@ -15,11 +15,14 @@ checks). What it takes from elsewhere:
 - the batches: the token ids, positions and labels the run trained on, in the order it consumed
   them, which the run writes when `TITAN_ASYNC_BATCH_LOG=DIR` is set (one JSON line per
   microbatch, DIR/rank<R>.jsonl; a compromise: the data loader is not re-implemented here); with
-  FSDP every data rank's local batch (rank d's log: torchtitan's mesh puts pp outermost), joined
-  into the global batch under one loss normalisation (the sum over its valid tokens);
+  FSDP or replicas (DDP) every data rank's local batch (`data_rank_ranks`: its TP ranks log the
+  same batches), joined into the global batch under one loss normalisation (the sum over its
+  valid tokens); with gradient accumulation a data rank's accumulated local batches are one
+  batch of the stream;
 - the MoE model (`model.family = "qwen3_moe"`): torchtitan's Qwen3 MoE modules, the load-balancing
   rule of torchtitan's optimizer pre-hook (`_update_expert_bias`: per block, bias += d - mean(d),
-  d = coeff * sign(mean(count) - count)) written out; torchtitan's bfloat16 experts only;
+  d = coeff * sign(mean(count) - count)) written out, and with `model.expert_precision = "full"`
+  the experts' SwiGLU written out per expert in float32;
 - the optimizer: torch.optim.AdamW (fused, as configured), with torchtitan's warm-up/stable/decay
   learning-rate factor transcribed, and each stage's gradient clipped on its own when it steps;
 - the stage boundaries: hard-coded for 2 stages of 4 layers, as torchtitan splits them
@@ -44,6 +47,7 @@ The rules, written out:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import functools
@@ -57,6 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.common.param_init import skip_param_init
 from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init
 from torchtitan.models.llama3.model import Llama3Model
@@ -104,11 +109,20 @@ class Settings:
     moe_hidden_dim: int = 0
     load_balance_coeff: float = 0.0
     data_ranks: int = 1
-    """The data-parallel (FSDP) degree: each data rank trains its own local batch."""
+    """The data-parallel degree (replicas x FSDP shards): each data rank trains its own local batch."""
+    local_batches: int = 1
+    """The local batches each data rank accumulates per step (global batch / (local batch x data ranks))."""
+    tensor_ranks: int = 1
+    """The tensor-parallel degree: a data rank's TP ranks train its batches together."""
+    expert_ranks: int = 1
+    """The expert-parallel degree: 1, or every data rank (the data ranks' tokens meet in the experts)."""
+    expert_precision: str = "bfloat16"
+    """torchtitan's bfloat16 experts, or "full": the experts multiply in float32 (`Float32Experts`)."""
 
     @property
     def microbatches(self) -> int:
-        return self.local_batch_size // self.microbatch_size
+        """A data rank's microbatches per step, its accumulated local batches' included."""
+        return self.local_batch_size // self.microbatch_size * self.local_batches
 
 
 def read_settings(run_dir: Path, vocab_size: int) -> Settings:
@@ -118,14 +132,18 @@ def read_settings(run_dir: Path, vocab_size: int) -> Settings:
     assert m["family"] in ("llama3", "qwen3_moe") and m["preset"] == "debugmodel" and m["n_kv_heads"] in (0, m["n_heads"])
     assert m["multiple_of"] == -1 and m["ffn_dim_multiplier"] == -1.0 and m["float8"] == "none"
     assert m["n_layers"] == 4 and p["pipeline_parallel_degree"] == 2, "the stage split is hard-coded for 2 stages of 4 layers"
-    data_ranks = p["data_parallel_shard_degree"]
-    assert data_ranks >= 1, "the resolved config names the degree"
-    assert p.get("data_parallel_replicate_degree", 1) == 1 and p.get("tensor_parallel_degree", 1) == 1
-    assert p.get("expert_parallel_degree", 1) == 1 and p.get("context_parallel_degree", 1) == 1
-    assert t["dtype"] == "float32" and t.get("global_batch_size", -1) in (-1, t["local_batch_size"] * data_ranks)
+    data_ranks = p["data_parallel_shard_degree"] * p["data_parallel_replicate_degree"]
+    assert data_ranks >= 1, "the resolved config names the degrees"
+    tensor_ranks = p.get("tensor_parallel_degree", 1)
+    expert_ranks = p.get("expert_parallel_degree", 1)
+    assert expert_ranks in (1, data_ranks), "EP over every data rank of a stage, or none"
+    assert p.get("context_parallel_degree", 1) == 1
+    assert t["dtype"] == "float32"
+    local_batches = max(1, t.get("global_batch_size", -1) // (t["local_batch_size"] * data_ranks))
+    assert t.get("global_batch_size", -1) in (-1, local_batches * t["local_batch_size"] * data_ranks)
     if m["family"] == "qwen3_moe":
         assert m["weight_tying"] in ("preset", False) and m["load_balance_coeff"] > 0
-        assert m.get("expert_precision", "bfloat16") == "bfloat16", "the experts are torchtitan's bfloat16 ones"
+        assert m.get("expert_precision", "bfloat16") in ("bfloat16", "full")
     assert c["activation_checkpoint"]["mode"] == "none" and o["name"] in ("adamw", "muon")
     muon, ef = o["muon"], o["error_feedback"]
     if o["name"] == "muon":
@@ -140,7 +158,8 @@ def read_settings(run_dir: Path, vocab_size: int) -> Settings:
         optimizer=o["name"], adamw_lr=muon["adamw_lr"] if o["name"] == "muon" else o["lr"], momentum=muon["momentum"],
         nesterov=muon["nesterov"], ns_steps=muon["ns_steps"], error_feedback=ef["coefficient"] if ef["enabled"] else None,
         family=m["family"], num_experts=m.get("num_experts", 0), top_k=m.get("top_k", 0), moe_hidden_dim=m.get("moe_hidden_dim", 0),
-        load_balance_coeff=m.get("load_balance_coeff", 0.0), data_ranks=data_ranks,
+        load_balance_coeff=m.get("load_balance_coeff", 0.0), data_ranks=data_ranks, local_batches=local_batches,
+        tensor_ranks=tensor_ranks, expert_ranks=expert_ranks, expert_precision=m.get("expert_precision", "bfloat16"),
     )
 
 
@@ -187,6 +206,20 @@ def document_mask(positions: torch.Tensor) -> torch.Tensor:
     return ((document.unsqueeze(2) == document.unsqueeze(1)) & causal).unsqueeze(1)
 
 
+class Float32Experts(GroupedExperts):
+    """torchtitan's grouped SwiGLU experts, w2(silu(w1 x) * w3 x) on each expert's rows, with the
+    matmuls written out per expert in the tokens' dtype: `model.expert_precision = "full"`."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        pass
+
+    def forward(self, x, num_tokens_per_expert):
+        outputs = [F.linear(F.silu(F.linear(rows, w1)) * F.linear(rows, w3), w2) for rows, w1, w2, w3 in zip(
+            x.split(num_tokens_per_expert.tolist()), self.w1_EFD, self.w2_EDF, self.w3_EFD)]
+        return torch.cat(outputs) if outputs else x[:0]
+
+
 def build_moe_model(settings: Settings) -> nn.Module:
     """torchtitan's Qwen3 MoE at the run's sizes (every block an MoE block, fused wqkv, head_dim =
     dim / n_heads, softmax top-k routing with torchtitan's defaults), this module's attention."""
@@ -198,6 +231,10 @@ def build_moe_model(settings: Settings) -> nn.Module:
         rope=CosSinRoPE.Config(dim=dim // heads, max_seq_len=131072, theta=settings.rope_theta))
     for layer in layers:
         layer.moe.load_balance_coeff = settings.load_balance_coeff
+        if settings.expert_precision == "full":
+            inner = layer.moe.routed_experts.inner_experts
+            layer.moe.routed_experts.inner_experts = Float32Experts.Config(
+                **{f.name: getattr(inner, f.name) for f in dataclasses.fields(inner)})
     config = Qwen3Model.Config(
         vocab_size=vocab, dim=dim, norm=_qwen3_norm(dim), enable_weight_tying=False,
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_QWEN3_EMBEDDING_INIT),
@@ -285,18 +322,28 @@ def read_rank_log(batch_log: Path, rank: int) -> dict[str, torch.Tensor]:
     return {key: torch.cat([torch.tensor(r[key]) for r in rows]) for key in ("input", "positions", "labels")}
 
 
+def data_rank_ranks(settings: Settings, data_rank: int) -> list[int]:
+    """The global ranks that train data rank `data_rank`'s batches: torchtitan's mesh orders its
+    dimensions pp, dp_replicate, dp_shard, tp (outermost first), so stage s, data rank d, TP rank
+    t is rank (s D + d) T + t."""
+    dp, tp = settings.data_ranks, settings.tensor_ranks
+    return [(stage * dp + data_rank) * tp + t for stage in range(len(STAGES)) for t in range(tp)]
+
+
 def read_batches(batch_log: Path, settings: Settings, data_ranks: list[int] | None = None) -> list[list[Microbatch]]:
-    """The run's global batches, each cut into its microbatches: data rank d's local batch (the
-    log of rank d; torchtitan's mesh puts pp outermost, so ranks d, D + d, ... are data rank d's
-    stages, which log the same batches) followed by the next data rank's. `data_ranks` (a
-    control) takes only those data ranks' local batches."""
-    dp, size, n, b = settings.data_ranks, settings.microbatch_size, settings.steps, settings.local_batch_size
-    assert len(list(Path(batch_log).glob("rank*.jsonl"))) == 2 * dp, "2 stages x the data ranks"
+    """The run's global batches, each cut into its microbatches: data rank d's accumulated local
+    batches (every rank of the data rank logs the same ones, `data_rank_ranks`) followed by the
+    next data rank's. `data_ranks` (a control) takes only those data ranks' local batches."""
+    dp, size, n = settings.data_ranks, settings.microbatch_size, settings.steps
+    b = settings.local_batch_size * settings.local_batches
+    assert len(list(Path(batch_log).glob("rank*.jsonl"))) == len(STAGES) * dp * settings.tensor_ranks, "every rank's log"
     logs = []
     for d in range(dp) if data_ranks is None else data_ranks:
-        log = read_rank_log(batch_log, d)
-        later = read_rank_log(batch_log, dp + d)  # the same data rank's last stage
-        assert all(torch.equal(log[key], later[key]) for key in log), f"ranks {d} and {dp + d} are not one data rank"
+        first, *others = data_rank_ranks(settings, d)
+        log = read_rank_log(batch_log, first)
+        for rank in others:
+            other = read_rank_log(batch_log, rank)
+            assert all(torch.equal(log[key], other[key]) for key in log), f"ranks {first} and {rank} are not one data rank"
         assert log["input"].shape[0] == n * b, (log["input"].shape, n, b)
         logs.append(log)
     return [[Microbatch(log["input"][i:i + size], log["positions"][i:i + size], log["labels"][i:i + size])
@@ -350,8 +397,9 @@ def merge_qkv(blocks, head_dim: int) -> torch.Tensor:
 
 class StageOptimizer:
     """One stage's optimizers, stepped together: the stage's gradient clipped to max_norm on its
-    own, then AdamW (every parameter, or with Muon the embedding, head and non-matrices) and Muon
-    (the blocks' hidden matrices), each at its peak lr times the factor of scheduler step
+    own, then AdamW (every parameter, or with Muon the embedding, head, MoE routers' gates and
+    non-matrices) and Muon (the blocks' hidden matrices, and each matrix of an MoE block's
+    stacked experts on its own), each at its peak lr times the factor of scheduler step
     `lr_step`, and error feedback when configured: w -= u_t + c (u_t - u_{t-1}) from the second
     update on, u_t the optimizer's own update. `whole_qkv` (a control) orthogonalises the fused
     wqkv as one matrix instead of its Q, K and V blocks."""
@@ -362,7 +410,8 @@ class StageOptimizer:
         self.params = [p for _, p in named]
         self.ef = settings.error_feedback if error_feedback else None
         muon = settings.optimizer == "muon"
-        self.matrices = [(n, p) for n, p in named if muon and p.ndim == 2 and n.startswith("layers.")]
+        self.matrices = [(n, p) for n, p in named if muon and n.startswith("layers.") and (
+            (p.ndim == 2 and ".router." not in n) or (p.ndim == 3 and ".inner_experts." in n))]
         others = [p for n, p in named if not any(p is q for _, q in self.matrices)]
         self.adamw = torch.optim.AdamW(others, lr=settings.adamw_lr, betas=settings.betas, eps=settings.eps,
                                        weight_decay=settings.weight_decay, fused=True)
@@ -389,7 +438,9 @@ class StageOptimizer:
             m = (1 - mu) * grad + mu * buffer if settings.nesterov else buffer
             lr = settings.lr * factor
             scaled = lambda block: newton_schulz(block, settings.ns_steps) * 0.2 * math.sqrt(max(block.shape))
-            if name.endswith("wqkv.weight") and not self.whole_qkv:
+            if param.ndim == 3:
+                orthogonal = torch.stack([scaled(expert) for expert in m])
+            elif name.endswith("wqkv.weight") and not self.whole_qkv:
                 orthogonal = merge_qkv([scaled(b) for b in qkv_blocks(m, self.head_dim)], self.head_dim)
             else:
                 orthogonal = scaled(m)
@@ -494,6 +545,14 @@ def balance_load(model: nn.Module, counts: torch.Tensor, coeff: float) -> None:
         block.expert_bias_E.add_(delta - delta.mean())
 
 
+def local_batch_parts(batch: list[Microbatch], settings: Settings) -> list[list[Microbatch]]:
+    """Part g: every data rank's g-th accumulated local batch (a batch holds data rank d's local
+    batches, in order, before data rank d + 1's)."""
+    per_local, count = settings.local_batch_size // settings.microbatch_size, settings.local_batches
+    chunks = [batch[i:i + per_local] for i in range(0, len(batch), per_local)]
+    return [[mb for d in range(settings.data_ranks) for mb in chunks[d * count + g]] for g in range(count)]
+
+
 @one_thread
 def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "exact", bias_counts: str = "delayed",
            lagged_clip: int | None = None, skipped: frozenset[tuple[int, int]] = frozenset(), sync_start: int = 0,
@@ -502,6 +561,8 @@ def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "
     With experts the biases are part of W and move by the load-balancing rule from the counts of
     batch k routed at W[k-1] (the microbatches whose gradient the update applies).
     Controls: "stale" applies the update to W[k-1]; "no_delay" takes the gradient at W[k];
+    "one_at_a_time" makes each accumulated local batch an update of its own (`local_batch_parts`,
+    under the step's lr and loss normalisation);
     `bias_counts="next"` moves the biases by the counts of batch k+1 routed at W[k] (the batch
     the pipeline is forwarding when it steps; none after the last);
     `optimizer_options` (StageOptimizer's `error_feedback`, `whole_qkv`) change the optimizer;
@@ -522,38 +583,39 @@ def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "
     for k, batch in enumerate(batches):
         if k == sync_start:
             previous.load_state_dict(model.state_dict())
-        at = model if variant == "no_delay" or k < sync_start else previous
-        at.zero_grad()
-        if moe:
-            expert_counts(at)
         n, total = valid_tokens(batch), 0.0
-        for mb in batch:
-            loss = summed_loss(at(mb.tokens, positions=mb.positions, attention_masks=document_mask(mb.positions)), mb.labels) / n
-            loss.backward()
-            total += loss.item()
+        for part in local_batch_parts(batch, settings) if variant == "one_at_a_time" else [batch]:
+            at = model if variant == "no_delay" or k < sync_start else previous
+            at.zero_grad()
+            if moe:
+                expert_counts(at)
+            for mb in part:
+                loss = summed_loss(at(mb.tokens, positions=mb.positions, attention_masks=document_mask(mb.positions)), mb.labels) / n
+                loss.backward()
+                total += loss.item()
+            if moe:
+                counts = expert_counts(at)
+                if bias_counts == "next":
+                    counts = torch.zeros_like(counts)
+                    if k + 1 < len(batches):
+                        with torch.no_grad():
+                            for mb in batches[k + 1]:
+                                model(mb.tokens, positions=mb.positions, attention_masks=document_mask(mb.positions))
+                        counts = expert_counts(model)
+            latest = copy.deepcopy(model.state_dict())
+            if variant == "stale":
+                model.load_state_dict(previous.state_dict())
+            if moe:
+                balance_load(model, counts, settings.load_balance_coeff)
+            for param, source in zip(model.parameters(), at.parameters()):
+                param.grad = source.grad.clone()
+            for stage, optimizer in enumerate(optimizers):
+                if (stage, k + 1) in skipped:
+                    optimizer.skip()
+                else:
+                    optimizer.step(k)
+            previous.load_state_dict(latest)
         losses[k + 1] = total
-        if moe:
-            counts = expert_counts(at)
-            if bias_counts == "next":
-                counts = torch.zeros_like(counts)
-                if k + 1 < len(batches):
-                    with torch.no_grad():
-                        for mb in batches[k + 1]:
-                            model(mb.tokens, positions=mb.positions, attention_masks=document_mask(mb.positions))
-                    counts = expert_counts(model)
-        latest = copy.deepcopy(model.state_dict())
-        if variant == "stale":
-            model.load_state_dict(previous.state_dict())
-        if moe:
-            balance_load(model, counts, settings.load_balance_coeff)
-        for param, source in zip(model.parameters(), at.parameters()):
-            param.grad = source.grad.clone()
-        for stage, optimizer in enumerate(optimizers):
-            if (stage, k + 1) in skipped:
-                optimizer.skip()
-            else:
-                optimizer.step(k)
-        previous.load_state_dict(latest)
     return Result(losses, weights(model), [o.norms for o in optimizers])
 
 

@@ -1,11 +1,11 @@
-"""Streaming schedules with data-parallel replicas inside each stage (DDP and HSDP), and with
-gradient accumulation.
+"""Streaming schedules with data-parallel replicas inside each stage (DDP), and with gradient
+accumulation.
 
-The references run the same data-parallel degree without a pipeline, so each data rank
-reads the same sequences: the delayed-gradient reference for 2BW (a synchronous torchtitan
-step with the one-step delay), the single-process emulation of PACI's update timing.
-Accumulated local batches form one batch of the stream, so accumulating two equals one pass
-of twice the local batch.
+PACI's reference runs the same data-parallel degree without a pipeline, so each data rank
+reads the same sequences: the single-process emulation of its update timing. Accumulated
+local batches form one batch of the stream, so accumulating two equals one pass of twice the
+local batch. PipeDream2BW with DDP replicas, with HSDP (replicas x FSDP) and Muon, and with
+accumulation is checked against the independent reference (test_independent_reference.py).
 """
 
 from __future__ import annotations
@@ -22,14 +22,6 @@ PP2_REPLICAS2 = ("--config", str(CONFIGS / "debug_cpu_pp2_fsdp2.toml"), "--nproc
 REPLICAS = ("parallelism.data_parallel_shard_degree=1", "parallelism.data_parallel_replicate_degree=2")
 
 
-def test_2bw_with_replicas_equals_the_delayed_reference(tmp_path):
-    reference = train(tmp_path / "delay", "training.gradient_delay=1", layout=FSDP2)
-    pipelined = train(tmp_path / "2bw", "parallelism.pipeline_parallel_schedule=PipeDream2BW", *REPLICAS, layout=PP2_REPLICAS2)
-    assert_same_run(reference, pipelined)
-    assert_close_weights(final_weights(pipelined), final_weights(reference))
-    nccl_model.assert_nccl_safe(pipelined / "comm", stages=2, ranks_per_stage=2)
-
-
 def test_paci_with_replicas_equals_its_emulation(tmp_path):
     paci = ("parallelism.pipeline_parallel_schedule=PACI", "parallelism.paci.accumulation=2")
     emulated = train(tmp_path / "emulated", *paci, "parallelism.emulated_stages=2", layout=FSDP2)
@@ -37,21 +29,6 @@ def test_paci_with_replicas_equals_its_emulation(tmp_path):
     assert_same_run(emulated, pipelined)
     assert_close_weights(final_weights(pipelined), final_weights(emulated))
     nccl_model.assert_nccl_safe(pipelined / "comm", stages=2, ranks_per_stage=2)
-
-
-def test_2bw_muon_with_hsdp_equals_the_delayed_reference(tmp_path):
-    """PP 2 x replicas 2 x FSDP 2 (8 processes) with Muon and error feedback: 4 data ranks, as
-    the reference's FSDP 4; Muon orthogonalises the full matrix gathered over the shards."""
-    fsdp4 = ("--config", str(CONFIGS / "debug_cpu_fsdp2.toml"), "--nproc-per-node", "4")
-    muon = ("optimizer.name=muon", "optimizer.lr=0.02", "optimizer.error_feedback.enabled=true", "training.local_batch_size=2")
-    reference = train(tmp_path / "delay", "training.gradient_delay=1", "parallelism.data_parallel_shard_degree=4", *muon, layout=fsdp4)
-    pipelined = train(tmp_path / "2bw", "parallelism.pipeline_parallel_schedule=PipeDream2BW", *muon,
-                      "parallelism.pipeline_parallel_microbatch_size=1", "parallelism.data_parallel_shard_degree=2",
-                      "parallelism.data_parallel_replicate_degree=2",
-                      layout=("--config", str(CONFIGS / "debug_cpu_pp2_fsdp2.toml"), "--nproc-per-node", "8"))
-    assert_same_run(reference, pipelined)
-    assert_close_weights(final_weights(pipelined), final_weights(reference))
-    nccl_model.assert_nccl_safe(pipelined / "comm", stages=2, ranks_per_stage=4)
 
 
 @pytest.mark.parametrize("assignments, named", [
@@ -66,12 +43,12 @@ def test_a_bad_replica_layout_is_one_line_naming_the_keys(tmp_path, capsys, assi
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("schedule", ["PipeDream2BW", "PACI"])
-def test_accumulating_two_local_batches_equals_one_pass_of_twice_the_local_batch(tmp_path, schedule):
+def test_paci_accumulating_two_local_batches_equals_one_pass_of_twice_the_local_batch(tmp_path):
     """PACI's `accumulation` counts local backwards (microbatches); left unset it is every
-    microbatch of the step, the accumulated local batches' included."""
+    microbatch of the step, the accumulated local batches' included. (PipeDream2BW's accumulation
+    is checked against the independent reference, test_independent_reference.py.)"""
     pp2 = ("--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--nproc-per-node", "2")
-    common = (f"parallelism.pipeline_parallel_schedule={schedule}", "parallelism.pipeline_parallel_microbatch_size=1",
+    common = ("parallelism.pipeline_parallel_schedule=PACI", "parallelism.pipeline_parallel_microbatch_size=1",
               "validation.enable=false")
     accumulated = train(tmp_path / "accumulated", *common, "training.local_batch_size=2", "training.global_batch_size=4", layout=pp2)
     single = train(tmp_path / "single", *common, "training.local_batch_size=4", layout=pp2)
