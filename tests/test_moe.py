@@ -35,8 +35,8 @@ from test_fsdp_schedules import stage_records, train
 from test_benchmark_eval import OFFLINE, TASK, reference, write_task
 from test_hf_export import export_cli, hf_logits, loaders, titan_model
 from test_independent_reference import MOE as REFERENCE_MOE
-from test_independent_reference import (assert_different, assert_equal_with_resharded_norms, differences, pipelined,
-                                        reference_inputs)
+from test_independent_reference import (INJECTED, SKIPPED, assert_different, assert_equal_with_resharded_norms, differences,
+                                        pipelined, reference_inputs)
 from test_schedules import assert_close_weights, assert_same_run, final_weights
 from test_tensor_parallel import assert_resumes_exactly
 from titan_async.model.qwen3_moe import FullPrecisionExperts
@@ -76,10 +76,13 @@ def paci(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ep_2bw(tmp_path_factory):
     """A PP 2 x EP 2 PipeDream2BW run, Muon + error feedback, experts in float32, with
-    test_independent_reference.py's settings and logs (batches, communication)."""
+    test_independent_reference.py's settings and logs (batches, communication), where rank 3
+    alone (stage 1's second EP rank) finds a non-finite gradient at step 3 (`SKIPPED`)."""
     root = tmp_path_factory.mktemp("moe_ep_2bw")
     return pipelined(root / "2bw", *REFERENCE_MOE, *MUON_EF, *EP2, "model.expert_precision=full",
-                     "parallelism.pipeline_parallel_schedule=PipeDream2BW", config="debug_cpu_pp2_fsdp2.toml", nproc=4)
+                     "parallelism.pipeline_parallel_schedule=PipeDream2BW", *INJECTED,
+                     config="debug_cpu_pp2_fsdp2.toml", nproc=4)
+
 
 
 @pytest.fixture(scope="module")
@@ -177,8 +180,10 @@ def test_2bw_moe_with_expert_parallel_and_muon_equals_the_independent_reference(
     tokens by all-to-all), PipeDream2BW with Muon (each expert's matrix orthogonalised on its
     own) and error feedback, against `ref.two_bw` (independent_reference.py) on both data ranks'
     batches joined, the biases moved by the counts summed over them. Controls: data rank 0's
-    batches alone, and the biases moved by the next batch's counts. Every rank's all-to-alls
-    are in the log, which the NCCL model completes.
+    batches alone, the biases moved by the next batch's counts, and no update skipped: at step 3
+    only rank 3 poisons its gradient, and both EP ranks of stage 1 must skip the update on the
+    device (experts sharded by EP, dense weights by FSDP). Every rank's all-to-alls are in the
+    log, which the NCCL model completes.
 
     The experts multiply in float32 (`model.expert_precision = "full"`, `ref.Float32Experts`):
     in torchtitan's bfloat16 an EP rank rounds an expert's weight gradient once over both data
@@ -192,10 +197,11 @@ def test_2bw_moe_with_expert_parallel_and_muon_equals_the_independent_reference(
     assert settings.expert_ranks == settings.data_ranks == 2 and settings.expert_precision == "full"
     assert settings.optimizer == "muon" and settings.error_feedback == 1.0
     update_of_step = lambda step: step
-    assert_equal_with_resharded_norms(differences(ep_2bw, weights, ref.two_bw(settings, batches), update_of_step))
+    assert_equal_with_resharded_norms(differences(ep_2bw, weights, ref.two_bw(settings, batches, skipped=SKIPPED), update_of_step))
     one_rank = ref.read_batches(ep_2bw / "batches", settings, data_ranks=[0])
-    assert_different(differences(ep_2bw, weights, ref.two_bw(settings, one_rank), update_of_step))
-    assert_different(differences(ep_2bw, weights, ref.two_bw(settings, batches, bias_counts="next"), update_of_step))
+    assert_different(differences(ep_2bw, weights, ref.two_bw(settings, one_rank, skipped=SKIPPED), update_of_step))
+    assert_different(differences(ep_2bw, weights, ref.two_bw(settings, batches, bias_counts="next", skipped=SKIPPED), update_of_step))
+    assert_different(differences(ep_2bw, weights, ref.two_bw(settings, batches), update_of_step))
     assert_all_to_all_in_the_log(ep_2bw)
 
 
