@@ -556,7 +556,7 @@ def local_batch_parts(batch: list[Microbatch], settings: Settings) -> list[list[
 @one_thread
 def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "exact", bias_counts: str = "delayed",
            lagged_clip: int | None = None, skipped: frozenset[tuple[int, int]] = frozenset(), sync_start: int = 0,
-           **optimizer_options) -> Result:
+           prediction: float = 0.0, **optimizer_options) -> Result:
     """W[k+1] = W[k] - Opt(grad f_k(W[k-1])), W[-1] = W[0]; each stage clips its own gradient.
     With experts the biases are part of W and move by the load-balancing rule from the counts of
     batch k routed at W[k-1] (the microbatches whose gradient the update applies).
@@ -571,9 +571,13 @@ def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "
     of `skipped` leaves that stage's weights and optimizer state as they are at update u (a
     non-finite gradient: its norm counts as 0), its lr schedule and expert biases moving on.
     Sync Start: the first `sync_start` steps take the gradient at W[k]; then the rule restarts as
-    from fresh weights W[sync_start] (W[sync_start - 1] := W[sync_start])."""
+    from fresh weights W[sync_start] (W[sync_start - 1] := W[sync_start]).
+    Weight prediction (horizon h = `prediction` > 0): the gradient is taken at
+    W[k-1] + h (W[k-1] - W[k-2]) instead of W[k-1], with W[-2] = W[-1] = W[0]."""
     model = build_model(settings)  # holds W[k]
     previous = copy.deepcopy(model)  # holds W[k-1]
+    older = copy.deepcopy(model)  # holds W[k-2]
+    predicted = copy.deepcopy(model)
     head_dim = settings.dim // settings.n_heads
     optimizers = [StageOptimizer(named, settings, head_dim, **optimizer_options) for named in stage_params(model)]
     if lagged_clip:
@@ -586,6 +590,11 @@ def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "
         n, total = valid_tokens(batch), 0.0
         for part in local_batch_parts(batch, settings) if variant == "one_at_a_time" else [batch]:
             at = model if variant == "no_delay" or k < sync_start else previous
+            if prediction:
+                then, before = previous.state_dict(), older.state_dict()
+                predicted.load_state_dict({name: value + prediction * (value - before[name]) if value.is_floating_point() else value
+                                           for name, value in then.items()})
+                at = predicted
             at.zero_grad()
             if moe:
                 expert_counts(at)
@@ -614,6 +623,7 @@ def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "
                     optimizer.skip()
                 else:
                     optimizer.step(k)
+            older.load_state_dict(previous.state_dict())
             previous.load_state_dict(latest)
         losses[k + 1] = total
     return Result(losses, weights(model), [o.norms for o in optimizers])

@@ -134,6 +134,20 @@ def test_paci_lagged_global_clipping_equals_the_independent_reference(tmp_path):
     assert_different(differences(run, weights, ref.paci(settings, batches, drains, lagged_clip=2), update_of_step))
 
 
+def test_2bw_weight_prediction_and_its_resume_equal_the_independent_reference(tmp_path):
+    """`training.weight_prediction = 1`: each delayed gradient is taken at W[k-1] + (W[k-1] - W[k-2])
+    (three weight copies per stage); the run stops at the step-3 checkpoint and is resumed, so
+    the predicted versions must come back from it. Controls: no prediction, and horizon 2."""
+    run = pipelined(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PipeDream2BW", "training.weight_prediction=1",
+                    f"lr_scheduler.total_steps={STEPS}", "training.steps=3")
+    run_cli("resume", "--run-dir", str(run), *sets(f"training.steps={STEPS}"), env={"TITAN_ASYNC_BATCH_LOG": str(run / "batches")})
+    settings, batches, weights = reference_inputs(run)
+    update_of_step = lambda step: step
+    assert_equal(differences(run, weights, ref.two_bw(settings, batches, prediction=1.0), update_of_step))
+    assert_different(differences(run, weights, ref.two_bw(settings, batches), update_of_step))
+    assert_different(differences(run, weights, ref.two_bw(settings, batches, prediction=2.0), update_of_step))
+
+
 def test_the_independent_reference_imports_nothing_from_titan_async():
     assert "titan_async" not in Path(ref.__file__).read_text()
 

@@ -74,6 +74,7 @@ def two_step_run(tmp_path_factory):
         ("optimizer.error_feedback.enabled=true", "optimizer.error_feedback.enabled"),
         ("training.gradient_delay=1", "training.gradient_delay"),
         ("training.clipping=lagged_global", "training.clipping"),
+        ("training.weight_prediction=1", "training.weight_prediction"),
     ],
 )
 def test_resume_refuses_settings_the_checkpoint_has_no_state_for(two_step_run, capsys, assignment, key):

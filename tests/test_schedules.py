@@ -135,6 +135,9 @@ def test_split_backward_schedules_turn_off_donated_buffers(monkeypatch):
         ("parallelism.paci.accumulation=0", "parallelism.paci.accumulation must be >= 1, got 0"),
         ("training.gradient_delay=2", "training.gradient_delay must be 0 or 1, got 2"),
         ("training.clipping=global", "training.clipping must be one of 'per_stage', 'lagged_global', got 'global'"),
+        ("training.weight_prediction=-1", "training.weight_prediction must be >= 0 (0: off), got -1"),
+        ("training.weight_prediction=1 parallelism.paci.accumulation=2", "predicts PipeDream-2BW's stale version; parallelism.pipeline_parallel_schedule = 'PACI' has none"),
+        ("training.weight_prediction=1 training.sync_start_steps=2", "training.weight_prediction does not run with training.sync_start_steps yet"),
         ("checkpoint.async_mode=async", "checkpoint.async_mode = 'async' cannot run with PipeDream2BW"),
         ("checkpoint.async_mode=async_with_pinned_mem", "checkpoint.async_mode = 'async_with_pinned_mem' cannot run with"),
     ],
@@ -145,9 +148,20 @@ def test_bad_schedule_settings(capsys, tmp_path, assignment, message):
     schedule = "PACI" if "paci" in assignment else "PipeDream2BW"
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["train", "--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--nproc-per-node", "2",
-                  "--run-dir", str(tmp_path / "run"), *sets(f"parallelism.pipeline_parallel_schedule={schedule}", assignment)])
+                  "--run-dir", str(tmp_path / "run"), *sets(f"parallelism.pipeline_parallel_schedule={schedule}", *assignment.split())])
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+
+
+def test_weight_prediction_is_refused_on_sharded_parameters(capsys, tmp_path):
+    from titan_async import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--config", str(CONFIGS / "debug_cpu_pp2_fsdp2.toml"), "--nproc-per-node", "4", "--run-dir",
+                  str(tmp_path / "run"), *sets("parallelism.pipeline_parallel_schedule=PipeDream2BW", "training.weight_prediction=1")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "training.weight_prediction runs on plain (unsharded) parameters" in err, err
+    assert "data-parallel degree of 2" in err and len(err.splitlines()) == 1, err
 
 
 def test_lagged_global_clipping_is_refused_where_a_step_has_its_global_norm(capsys, tmp_path):

@@ -30,6 +30,7 @@ RESUME_REFUSES = {
     "training.gradient_delay": "the checkpoints hold a second weight version, or none",
     "training.clipping": "the checkpoints hold the global norms lagged clipping needs, or none",
     "training.sync_start_steps": "the checkpoints' weight versions and update counts follow the step of the switch",
+    "training.weight_prediction": "the checkpoints hold the predicted versions made with that horizon, or none",
 }
 """The keys whose change resume refuses, and why: those that decide which states a checkpoint holds."""
 

@@ -51,6 +51,10 @@ class DelayTraining(TrainingConfig):
     sync_start_steps: int = 0
     """N > 0 (Sync Start): train steps 1..N synchronously, then go on with the streaming schedule
     (or `gradient_delay = 1`) as if it started from the weights after step N; 0: off."""
+    weight_prediction: float = 0.0
+    """h > 0: PipeDream2BW (or `gradient_delay = 1`) takes each delayed gradient at the weights
+    extrapolated along the last update, W[k-1] + h (W[k-1] - W[k-2]) (`versions.PredictedVersions`),
+    at the cost of one more weight copy; 0: off."""
 
     def __post_init__(self) -> None:
         if self.gradient_delay not in (0, 1):
@@ -59,6 +63,8 @@ class DelayTraining(TrainingConfig):
             raise ValueError(f"training.clipping must be one of {', '.join(map(repr, CLIPPING_MODES))}, got {self.clipping!r}")
         if self.sync_start_steps < 0:
             raise ValueError(f"training.sync_start_steps must be >= 0 (0: off), got {self.sync_start_steps}")
+        if self.weight_prediction < 0:
+            raise ValueError(f"training.weight_prediction must be >= 0 (0: off), got {self.weight_prediction}")
 
 
 def sync_start_text(steps: int, schedule: str) -> str:
@@ -100,6 +106,16 @@ def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism, da
         return (f"training.sync_start_steps = {training.sync_start_steps} trains the first steps synchronously before a "
                 f"streaming schedule (PipeDream2BW, PACI) or training.gradient_delay = 1; {key} is synchronous throughout: "
                 "set training.sync_start_steps = 0, or pick a streaming schedule")
+    if training.weight_prediction and schedule is not SchedulePipeDream2BW and not training.gradient_delay:
+        return (f"training.weight_prediction = {training.weight_prediction:g} predicts PipeDream-2BW's stale version; "
+                f"{key} has none: use pipeline_parallel_schedule = \"PipeDream2BW\" (or training.gradient_delay = 1), "
+                "or set training.weight_prediction = 0")
+    if training.weight_prediction and training.sync_start_steps:
+        return "training.weight_prediction does not run with training.sync_start_steps yet: set one of them to 0"
+    if training.weight_prediction and (data_parallel > 1 or parallelism.tensor_parallel_degree > 1):
+        return (f"training.weight_prediction runs on plain (unsharded) parameters for now: not with a data-parallel degree "
+                f"of {data_parallel} or parallelism.tensor_parallel_degree = {parallelism.tensor_parallel_degree}; "
+                "set training.weight_prediction = 0, or train without FSDP, replicas and TP")
     if parallelism.emulated_stages and schedule is None:
         return f"parallelism.emulated_stages = {parallelism.emulated_stages} emulates a streaming schedule (PipeDream2BW or PACI), not {name!r}"
     if schedule is None:

@@ -37,12 +37,13 @@ class StreamingSchedule(PipelineScheduleSingle):
         raise RuntimeError(f"{type(self).__name__} is driven by titan-async's trainer (its stream), not step()")
 
     def attach(self, *, optimizer_step: Callable[[], None], microbatches: int, accumulation: int | None, keep_trace: bool,
-               sync_start: int = 0) -> StreamEngine:
+               sync_start: int = 0, prediction: float = 0.0) -> StreamEngine:
         """This rank's stream: its stage, the weight policy (synchronous for the first `sync_start`
-        batches), P2P transport and timeline; a window holds `microbatches` (those of every local
-        batch an optimizer step accumulates)."""
+        batches; 2BW's versions predicted with horizon `prediction`), P2P transport and timeline;
+        a window holds `microbatches` (those of every local batch an optimizer step accumulates)."""
         stage = self._stage
-        self.policy = make_policy(self.name, stage.submod, microbatches, accumulation, hold_gathered=True, sync_start=sync_start)
+        self.policy = make_policy(self.name, stage.submod, microbatches, accumulation, hold_gathered=True, sync_start=sync_start,
+                                 prediction=prediction)
         self.timeline = Timeline(dist.get_rank(), keep_trace, stage.device)
         groups = edge_groups(stage.group, stage.stage_index_to_group_rank, stage.device)
         self.transport = P2PTransport(groups, stage.stage_index, stage.num_stages, stage.device)

@@ -4,6 +4,8 @@
   without PP; plain and FSDP2 parameters): batch t runs forward and backward on version
   U_t; once batch b's gradient g_b is complete the stage computes U_{b+2} = U_{b+1} - Opt(g_b)
   in place of U_b. Net effect on every stage: W[k+1] = W[k] - Opt(grad f_k(W[k-1])), W[-1] = W[0].
+- `PredictedVersions` (PipeDream-2BW with weight prediction, plain parameters): batch t runs on
+  the versions extrapolated along the last update, P_t = U_t + h (U_t - U_{t-1}).
 - `LocalAccumulation` (PACI): no stash; after every `a` local backwards the stage steps its
   optimizer in place, so a microbatch may see newer weights in its backward than in its forward
   (see its docstring for what activation checkpointing changes).
@@ -84,6 +86,11 @@ class OneStepDelay:
     def update_of_batch(self, batch: int) -> int:
         """The number (1-based, as `updates` counts) of the update that applies batch `batch`."""
         return batch + 1
+
+    def expose_latest(self, step: int) -> None:
+        """After `step` steps with nothing in flight, make the parameters hold the latest
+        weights, W[step] = U_{step+1}, for checkpoints and validation."""
+        self.activate(step + 1)
 
     def step_of_update(self, update: int) -> int:
         """The step (1-based) that fed the batch update `update` applies."""
@@ -181,6 +188,89 @@ class TwoVersions(OneStepDelay):
         self.buffers[(step + 1) % 2] = [p.data for p in self.params]
         self.buffers[step % 2] = [state[name].clone() for name in names]
         self.active = (step + 1) % 2
+
+
+class PredictedVersions(TwoVersions):
+    """PipeDream-2BW with weight prediction (`optimizer.weight_prediction`, horizon h): batch t
+    runs forward and backward on P_t = U_t + h (U_t - U_{t-1}), where `TwoVersions` would use
+    U_t: the delayed gradient is taken where the weights are predicted to be when it is applied
+    (h = 1: W[k-1] + (W[k-1] - W[k-2]) for W[k]). U_0 = U_1 = W[0], so P_0 = P_1 = W[0].
+
+    The two version buffers hold the predictions of the batches in flight; a third, `base`,
+    holds the latest U, which the optimizer steps: once batch b's gradient is complete,
+    U_{b+2} = U_{b+1} - Opt(g_b) in `base`, and P_{b+2} = U_{b+2} + h (U_{b+2} - U_{b+1}) in the
+    buffer batch b used. One weight copy more than `TwoVersions`. Between steps (`expose_latest`)
+    the parameters hold `base`, the latest U, for checkpoints and validation. Before the first
+    update every buffer equals the live weights, so each is copied from them when first needed
+    (weights loaded after construction become all three)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], microbatches: int, horizon: float) -> None:
+        super().__init__(params, microbatches)
+        self.horizon = horizon
+        self.base: list[torch.Tensor] | None = None
+
+    def _base(self) -> list[torch.Tensor]:
+        if self.base is None:
+            self.base = [p.data.clone() for p in self.params]
+        return self.base
+
+    def _point(self, tensors: list[torch.Tensor], index: int) -> None:
+        for param, tensor in zip(self.params, tensors):
+            param.data = tensor
+        self.active = index
+
+    def activate(self, batch: int) -> None:
+        """Make every parameter hold P_batch."""
+        if batch % 2 != self.active:
+            self._point(self._version(batch % 2), batch % 2)
+
+    def apply_update(self, batch: int, optimizer_step: Callable[[], None]) -> None:
+        """U_{batch+2} = U_{batch+1} - Opt(g_batch) in `base`; P_{batch+2} into the buffer batch `batch` used."""
+        self.updates += 1
+        target, _ = self._version(batch % 2), self._version((batch + 1) % 2)
+        base = self._base()
+        for tensor, latest in zip(target, base):
+            tensor.copy_(latest)
+        self._point(base, -1)
+        with preserved_versions(self.params):
+            optimizer_step()
+        for tensor, latest in zip(target, base):
+            tensor.mul_(-self.horizon).add_(latest, alpha=1 + self.horizon)
+
+    def expose_latest(self, step: int) -> None:
+        """The parameters hold the latest U (before any update, the live weights already do)."""
+        if self.base is not None:
+            self._point(self.base, -1)
+
+    def copies(self) -> list[torch.Tensor]:
+        """The two predictions and the latest U, less the buffer the parameters hold."""
+        live = self.active if self.active >= 0 else None
+        kept = [self._version(i) for i in (0, 1) if i != live] + ([self._base()] if live is not None else [])
+        return [t for version in kept for t in version]
+
+    def extra_bytes(self) -> int:
+        live = {p.data.untyped_storage().data_ptr() for p in self.params}
+        tensors = [t for version in [*self.buffers, self.base] if version is not None for t in version]
+        return sum(t.untyped_storage().nbytes() for t in tensors if t.untyped_storage().data_ptr() not in live)
+
+    def state_dict(self, names: list[str], step: int) -> dict[str, torch.Tensor]:
+        """After `step` steps (drained) the parameters hold U_{step+1}; these are P_step, under the
+        parameters' names, and P_{step+1}, under "next.<name>" (copies where a buffer is live)."""
+        live = {p.data.untyped_storage().data_ptr() for p in self.params}
+        state = {}
+        for prefix, index in (("", step % 2), ("next.", (step + 1) % 2)):
+            for name, tensor in zip(names, self._version(index)):
+                state[prefix + name] = tensor.clone() if tensor.untyped_storage().data_ptr() in live else tensor
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], names: list[str], step: int) -> None:
+        """Restore both predictions after a checkpoint at `step` loaded U_{step+1} into the parameters."""
+        self.backwards.clear()
+        self.updates = step
+        self.base = [p.data for p in self.params]
+        self.buffers[step % 2] = [state[name].clone() for name in names]
+        self.buffers[(step + 1) % 2] = [state[f"next.{name}"].clone() for name in names]
+        self.active = -1
 
 
 class ShardedTwoVersions(OneStepDelay):
@@ -448,11 +538,16 @@ class LocalAccumulation:
             param.grad = state[f"grad.{name}"].clone()
 
 
-def two_versions(module: torch.nn.Module, microbatches: int, stage: FsdpStage | None = None, sync_start: int = 0):
+def two_versions(module: torch.nn.Module, microbatches: int, stage: FsdpStage | None = None, sync_start: int = 0,
+                 prediction: float = 0.0):
     """PipeDream-2BW's versions of `module`'s parameters (and MoE expert biases,
     `load_balance.versioned_tensors`): sharded when `stage` (its FSDP units) is given;
-    synchronous for the first `sync_start` batches."""
+    synchronous for the first `sync_start` batches; predicted with horizon `prediction` when
+    it is not 0 (plain parameters only, no Sync Start: the config refuses the others)."""
     tensors = [tensor for _, tensor in versioned_tensors(module)]
+    if prediction:
+        assert not stage and not sync_start, "weight prediction runs on plain parameters, without Sync Start"
+        return PredictedVersions(tensors, microbatches, prediction)
     if stage:
         params = list(module.parameters())
         return ShardedTwoVersions(params, microbatches, stage, buffers=tensors[len(params):], sync_start=sync_start)
@@ -460,14 +555,15 @@ def two_versions(module: torch.nn.Module, microbatches: int, stage: FsdpStage | 
 
 
 def make_policy(schedule: str, module: torch.nn.Module, microbatches: int, accumulation: int | None, hold_gathered: bool = False,
-                sync_start: int = 0):
+                sync_start: int = 0, prediction: float = 0.0):
     """The weight-version policy of streaming schedule `schedule` for one stage module,
-    synchronous for the first `sync_start` batches (Sync Start, module docstring). With
+    synchronous for the first `sync_start` batches (Sync Start, module docstring), 2BW's
+    versions predicted with horizon `prediction` when it is not 0. With
     `hold_gathered` (a pipeline stage of its own) its FSDP units gather and reduce once per
     update (`FsdpStage.hold_gathered`)."""
     stage = FsdpStage.of(module)
     if stage and hold_gathered:
         stage.hold_gathered()
     if schedule == "PipeDream2BW":
-        return two_versions(module, microbatches, stage, sync_start)
+        return two_versions(module, microbatches, stage, sync_start, prediction)
     return LocalAccumulation(list(module.parameters()), accumulation or microbatches, microbatches, stage, sync_start)

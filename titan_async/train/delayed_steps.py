@@ -19,7 +19,8 @@ class DelayedSteps:
     def __init__(self, trainer) -> None:
         self.trainer = trainer
         model = trainer.model_parts[0]
-        self.delay = two_versions(model, 1, FsdpStage.of(model), trainer.config.training.sync_start_steps)
+        training = trainer.config.training
+        self.delay = two_versions(model, 1, FsdpStage.of(model), training.sync_start_steps, training.weight_prediction)
         self.policies = {0: (self.delay, policy_names(model, self.delay))}
         self.synchronous = SynchronousSteps(trainer, balance_experts=False)
         self.timeline = None
@@ -42,7 +43,7 @@ class DelayedSteps:
             self.delay.apply_update(batch, step)
 
         self.synchronous.run(data_iterator, update)
-        self.delay.activate(self.trainer.step + 1)
+        self.delay.expose_latest(self.trainer.step)
 
     def drain(self) -> None:
         """Nothing is in flight between steps."""

@@ -104,6 +104,7 @@ class StreamingSteps:
             accumulation=trainer.config.parallelism.paci.accumulation,
             keep_trace=trainer.config.metrics.pipeline_trace,
             sync_start=trainer.config.training.sync_start_steps,
+            prediction=trainer.config.training.weight_prediction,
         )
         self.timeline = schedule.timeline
         return {stage: (schedule.policy, policy_names(trainer.model_parts[0], schedule.policy))}
@@ -125,7 +126,7 @@ class StreamingSteps:
         policies, executors, steps = {}, [], {}
         for stage, view in enumerate(views):
             policy = make_policy(config.parallelism.pipeline_parallel_schedule, view, m, config.parallelism.paci.accumulation,
-                                 sync_start=config.training.sync_start_steps)
+                                 sync_start=config.training.sync_start_steps, prediction=config.training.weight_prediction)
             policies[stage] = (policy, policy_names(view, policy))
             executors.append(
                 StageExecutor(view, stage, len(views), LocalTransport(mailbox, stage), policy, self._loss, Timeline(0, False))
@@ -319,7 +320,7 @@ class StreamingSteps:
             self.timeline.restart()
         for executor in self.stream.executors:
             if isinstance(executor.policy, OneStepDelay):
-                executor.policy.activate(self.trainer.step + 1)
+                executor.policy.expose_latest(self.trainer.step)
 
     def _drain_before_save(self, step: int, last_step: bool) -> None:
         """Drain wherever the checkpointer saves (the first-step checkpoint and any save torchtitan

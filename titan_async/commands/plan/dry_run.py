@@ -112,15 +112,17 @@ def _weight_policies(run: RunConfig, layout: Layout, parts: list[torch.nn.Module
     """(stage module, weight policy) as the trainer attaches them: a streaming schedule's stream
     (`attach`: its FSDP units held gathered, P2P transport, executor), the emulation's stage
     views, `training.gradient_delay`'s two versions of the whole model; none otherwise."""
-    accumulation = run.parallelism.paci.accumulation
+    accumulation, t = run.parallelism.paci.accumulation, run.training
     if isinstance(schedule, StreamingSchedule):
-        stream = schedule.attach(optimizer_step=_no_step, microbatches=layout.window, accumulation=accumulation, keep_trace=False)
+        stream = schedule.attach(optimizer_step=_no_step, microbatches=layout.window, accumulation=accumulation, keep_trace=False,
+                                 sync_start=t.sync_start_steps, prediction=t.weight_prediction)
         return [(executor.module, executor.policy) for executor in stream.executors]
     if layout.emulated:
         views = [stage_view(parts[0], names) for names in stage_modules(run.parallelism, len(parts[0].layers))]
-        return [(view, make_policy(layout.schedule, view, layout.window, accumulation)) for view in views]
-    if run.training.gradient_delay:
-        return [(parts[0], two_versions(parts[0], 1, FsdpStage.of(parts[0])))]
+        return [(view, make_policy(layout.schedule, view, layout.window, accumulation, sync_start=t.sync_start_steps,
+                                   prediction=t.weight_prediction)) for view in views]
+    if t.gradient_delay:
+        return [(parts[0], two_versions(parts[0], 1, FsdpStage.of(parts[0]), t.sync_start_steps, t.weight_prediction))]
     return []
 
 
