@@ -680,7 +680,8 @@ class ForwardTimeValues:
 
 @one_thread
 def paci(settings: Settings, batches: list[list[Microbatch]], drains: set[int], late: int = 0,
-         backward_weights: str = "current", sync_start: int = 0, lagged_clip: int | None = None) -> Result:
+         backward_weights: str = "current", sync_start: int = 0, lagged_clip: int | None = None,
+         prediction: float = 0.0) -> Result:
     """PACI on 2 stages: stage s keeps 1 - s microbatches in flight and steps after every `a` of
     its backwards, the stream drained after the steps in `drains`. Update u of a stage runs at
     the lr of scheduler step floor((u - 1) a / m). Controls: `late` steps that many backwards
@@ -691,7 +692,10 @@ def paci(settings: Settings, batches: list[list[Microbatch]], drains: set[int], 
     backwards and updates from there (update N + v at lr step N + floor((v - 1) a / m)).
     `lagged_clip` as in `two_bw` (without Sync Start): update u covers microbatches
     [(u - 1) a, u a), so it applies a batch fed at step floor((u a - 1) / m) + 1, and the row of
-    step t logs update floor(t m / a)."""
+    step t logs update floor(t m / a). Weight prediction (h = `prediction` > 0): stage 0, whose
+    microbatches cross 1 / a of its local steps on average, runs each forward at
+    W + (h / a) (W - W_prev), W_prev its weights before its last step; its backward then reads
+    the current weights as always; stage 1 crosses none."""
     a, m = settings.accumulation or settings.microbatches, settings.microbatches
     drains = drains | set(range(1, sync_start + 1))
     model = build_model(settings)
@@ -702,18 +706,23 @@ def paci(settings: Settings, batches: list[list[Microbatch]], drains: set[int], 
     mixed = ForwardTimeValues(model)
     counts, updates = [0, 0], [0, 0]
     names = [name for name, _ in model.named_parameters() if stage_of(name) == 0]
+    before: dict[str, torch.Tensor] = {}  # stage 0's weights before its last step
+
+    def step(stage: int, lr_step: int) -> None:
+        if stage == 0:
+            before.update({n: p.detach().clone() for n, p in model.named_parameters() if stage_of(n) == 0})
+        optimizers[stage].step(lr_step)
+        updates[stage] += 1
 
     def after_backward(stage: int) -> None:
         counts[stage] += 1
         if counts[stage] <= sync_start * m:
             if counts[stage] % m == 0:
-                optimizers[stage].step(updates[stage])
-                updates[stage] += 1
+                step(stage, updates[stage])
             return
         count, update = counts[stage] - sync_start * m, updates[stage] - sync_start
         if count >= a + late and (count - late) % a == 0:
-            optimizers[stage].step(sync_start + update * a // m)
-            updates[stage] += 1
+            step(stage, sync_start + update * a // m)
 
     in_flight: list[tuple[int, dict, torch.Tensor, Microbatch]] = []  # stage 0's: (index, weights then, output grad, microbatch)
 
@@ -744,8 +753,16 @@ def paci(settings: Settings, batches: list[list[Microbatch]], drains: set[int], 
         n, total = valid_tokens(batch), 0.0
         for mb in batch:
             then = {name: p.detach().clone() for name, p in model.named_parameters() if stage_of(name) == 0}
+            if prediction and updates[0]:
+                then = {name: w + prediction / a * (w - before[name]) for name, w in then.items()}
+            live = dict(model.named_parameters())
+            now = {name: live[name].detach().clone() for name in then}
             with torch.no_grad():
+                for name in then:
+                    live[name].copy_(then[name])
                 h = stages[0](mb.tokens, mb.positions)
+                for name in then:
+                    live[name].copy_(now[name])
             h = h.detach().requires_grad_(True)
             loss = summed_loss(stages[1](h, mb.positions), mb.labels) / n
             loss.backward()

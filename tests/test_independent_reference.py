@@ -148,6 +148,24 @@ def test_2bw_weight_prediction_and_its_resume_equal_the_independent_reference(tm
     assert_different(differences(run, weights, ref.two_bw(settings, batches, prediction=2.0), update_of_step))
 
 
+def test_paci_weight_prediction_and_its_resume_equal_the_independent_reference(tmp_path):
+    """PACI (a = 3 of m = 8) with `training.weight_prediction = 2`: stage 0, whose microbatches
+    cross 1/3 of its local steps on average, runs each forward at W + (2 / 3) (W - W_prev); the
+    run stops at the step-3 checkpoint (W_prev saved) and is resumed. Controls: no prediction,
+    and the prediction applied in the backward too (a stash of the predicted weights)."""
+    a, m = 3, 8
+    run = pipelined(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PACI", f"parallelism.paci.accumulation={a}",
+                    "training.weight_prediction=2", f"lr_scheduler.total_steps={STEPS}", "training.steps=3")
+    run_cli("resume", "--run-dir", str(run), *sets(f"training.steps={STEPS}"), env={"TITAN_ASYNC_BATCH_LOG": str(run / "batches")})
+    settings, batches, weights = reference_inputs(run)
+    drains = ref.drain_steps(run)
+    update_of_step = lambda step: step * m // a
+    assert_equal(differences(run, weights, ref.paci(settings, batches, drains, prediction=2.0), update_of_step))
+    assert_different(differences(run, weights, ref.paci(settings, batches, drains), update_of_step))
+    assert_different(differences(run, weights, ref.paci(settings, batches, drains, prediction=2.0, backward_weights="forward"),
+                                 update_of_step))
+
+
 def test_the_independent_reference_imports_nothing_from_titan_async():
     assert "titan_async" not in Path(ref.__file__).read_text()
 

@@ -136,7 +136,7 @@ def test_split_backward_schedules_turn_off_donated_buffers(monkeypatch):
         ("training.gradient_delay=2", "training.gradient_delay must be 0 or 1, got 2"),
         ("training.clipping=global", "training.clipping must be one of 'per_stage', 'lagged_global', got 'global'"),
         ("training.weight_prediction=-1", "training.weight_prediction must be >= 0 (0: off), got -1"),
-        ("training.weight_prediction=1 parallelism.paci.accumulation=2", "predicts PipeDream-2BW's stale version; parallelism.pipeline_parallel_schedule = 'PACI' has none"),
+        ("training.weight_prediction=1 parallelism.pipeline_parallel_schedule=1F1B", "parallelism.pipeline_parallel_schedule = '1F1B' has no delay"),
         ("training.weight_prediction=1 training.sync_start_steps=2", "training.weight_prediction does not run with training.sync_start_steps yet"),
         ("checkpoint.async_mode=async", "checkpoint.async_mode = 'async' cannot run with PipeDream2BW"),
         ("checkpoint.async_mode=async_with_pinned_mem", "checkpoint.async_mode = 'async_with_pinned_mem' cannot run with"),

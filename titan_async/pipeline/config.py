@@ -53,8 +53,9 @@ class DelayTraining(TrainingConfig):
     (or `gradient_delay = 1`) as if it started from the weights after step N; 0: off."""
     weight_prediction: float = 0.0
     """h > 0: PipeDream2BW (or `gradient_delay = 1`) takes each delayed gradient at the weights
-    extrapolated along the last update, W[k-1] + h (W[k-1] - W[k-2]) (`versions.PredictedVersions`),
-    at the cost of one more weight copy; 0: off."""
+    extrapolated along the last update, W[k-1] + h (W[k-1] - W[k-2]) (`versions.PredictedVersions`);
+    PACI runs a stage's forwards at W + h d (W - W_prev), d its mean delay in local steps
+    (`versions.PredictedAccumulation`); 0: off."""
 
     def __post_init__(self) -> None:
         if self.gradient_delay not in (0, 1):
@@ -106,9 +107,9 @@ def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism, da
         return (f"training.sync_start_steps = {training.sync_start_steps} trains the first steps synchronously before a "
                 f"streaming schedule (PipeDream2BW, PACI) or training.gradient_delay = 1; {key} is synchronous throughout: "
                 "set training.sync_start_steps = 0, or pick a streaming schedule")
-    if training.weight_prediction and schedule is not SchedulePipeDream2BW and not training.gradient_delay:
-        return (f"training.weight_prediction = {training.weight_prediction:g} predicts PipeDream-2BW's stale version; "
-                f"{key} has none: use pipeline_parallel_schedule = \"PipeDream2BW\" (or training.gradient_delay = 1), "
+    if training.weight_prediction and schedule is None and not training.gradient_delay:
+        return (f"training.weight_prediction = {training.weight_prediction:g} predicts the weights a delayed gradient meets; "
+                f"{key} has no delay: use PipeDream2BW or PACI (or training.gradient_delay = 1), "
                 "or set training.weight_prediction = 0")
     if training.weight_prediction and training.sync_start_steps:
         return "training.weight_prediction does not run with training.sync_start_steps yet: set one of them to 0"

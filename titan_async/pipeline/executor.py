@@ -100,6 +100,7 @@ class StageExecutor:
             output = self.module(stage_input, **microbatch.kwargs)
             if self.is_last:
                 output = self.loss_fn(output, microbatch.target, **loss_kwargs)
+        self.policy.after_forward(k)
         if self.balance:
             self.balance.after_forward(k)
         self.in_flight[k] = _InFlight(stage_input, output)

@@ -6,6 +6,8 @@
   in place of U_b. Net effect on every stage: W[k+1] = W[k] - Opt(grad f_k(W[k-1])), W[-1] = W[0].
 - `PredictedVersions` (PipeDream-2BW with weight prediction, plain parameters): batch t runs on
   the versions extrapolated along the last update, P_t = U_t + h (U_t - U_{t-1}).
+- `PredictedAccumulation` (PACI with weight prediction, plain parameters): forwards run at the
+  weights extrapolated along the stage's last local step by its mean delay.
 - `LocalAccumulation` (PACI): no stash; after every `a` local backwards the stage steps its
   optimizer in place, so a microbatch may see newer weights in its backward than in its forward
   (see its docstring for what activation checkpointing changes).
@@ -69,6 +71,9 @@ class OneStepDelay:
 
     def before_backward(self, microbatch: int) -> None:
         self.activate(microbatch // self.microbatches)
+
+    def after_forward(self, microbatch: int) -> None:
+        pass
 
     def after_backward(self, microbatch: int) -> int | None:
         """The batch whose gradient this backward completed, if it completed one."""
@@ -464,7 +469,7 @@ class LocalAccumulation:
     def before_forward(self, microbatch: int) -> None:
         pass
 
-    before_backward = before_forward
+    before_backward = after_forward = before_forward
 
     def _updates_after(self, count: int) -> int:
         """The updates made once `count` local backwards have run."""
@@ -538,6 +543,78 @@ class LocalAccumulation:
             param.grad = state[f"grad.{name}"].clone()
 
 
+class PredictedAccumulation(LocalAccumulation):
+    """PACI with weight prediction (plain parameters): a stage whose microbatches cross d of its
+    local steps between forward and backward (on average; d = (p - 1 - s) / a in a steady
+    window) runs each forward at W + `horizon` (W - W_prev), `horizon` = h d, W_prev the weights
+    before its last local step: the activations a backward combines with the current weights
+    come from weights predicted to be nearer to them. The prediction is written into the live
+    weights for the forward and the weights are copied back after it, so that the backward reads
+    the current weights wherever the forward saved them (the parameter, or a view of it such as
+    a linear layer's transposed weight), as PACI's. W_prev and the copy of the live weights are
+    two weight copies; W_prev is checkpointed."""
+
+    def __init__(self, params: list[torch.nn.Parameter], accumulation: int, microbatches: int, horizon: float) -> None:
+        super().__init__(params, accumulation, microbatches)
+        self.horizon = horizon
+        self.before: list[torch.Tensor] | None = None
+        """W_prev: the weights before the last local step (None until the first)."""
+        self.live: list[torch.Tensor] | None = None
+        """The live weights while a forward runs at the prediction."""
+        self.predicting = False
+
+    @torch.no_grad()
+    def before_forward(self, microbatch: int) -> None:
+        """Write W + horizon (W - W_prev) into the parameters (before the first step, W itself)."""
+        if self.before is None:
+            return
+        if self.live is None:
+            self.live = [p.data.clone() for p in self.params]
+        for param, live, before in zip(self.params, self.live, self.before):
+            live.copy_(param.data)
+            param.data.mul_(1 + self.horizon).sub_(before, alpha=self.horizon)
+        self.predicting = True
+
+    @torch.no_grad()
+    def after_forward(self, microbatch: int) -> None:
+        if self.predicting:
+            for param, live in zip(self.params, self.live):
+                param.data.copy_(live)
+            self.predicting = False
+
+    def before_backward(self, microbatch: int) -> None:
+        pass
+
+    def apply_update(self, batch: int, optimizer_step: Callable[[], None]) -> None:
+        if self.before is None:
+            self.before = [p.data.clone() for p in self.params]
+        else:
+            for saved, param in zip(self.before, self.params):
+                saved.copy_(param.data)
+        super().apply_update(batch, optimizer_step)
+
+    def extra_bytes(self) -> int:
+        """W_prev and the copy of the live weights."""
+        return sum(t.untyped_storage().nbytes() for t in (self.before or []) + (self.live or []))
+
+    gathered_copy_bytes = LocalAccumulation.extra_bytes
+
+    def copies(self) -> list[torch.Tensor]:
+        """W_prev and the copy of the live weights (made now if pending)."""
+        return [t for kept in (self.before, self.live) for t in kept or [p.data.clone() for p in self.params]]
+
+    def state_dict(self, names: list[str], step: int) -> dict[str, torch.Tensor]:
+        """PACI's state and W_prev (the live weights before the first step)."""
+        state = super().state_dict(names, step)
+        before = self.before or [p.data.clone() for p in self.params]
+        state.update({f"before.{name}": tensor for name, tensor in zip(names, before)})
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], names: list[str], step: int) -> None:
+        super().load_state_dict(state, names, step)
+        self.before = [state[f"before.{name}"].clone() for name in names] if self.updates else None
+
+
 def two_versions(module: torch.nn.Module, microbatches: int, stage: FsdpStage | None = None, sync_start: int = 0,
                  prediction: float = 0.0):
     """PipeDream-2BW's versions of `module`'s parameters (and MoE expert biases,
@@ -555,10 +632,11 @@ def two_versions(module: torch.nn.Module, microbatches: int, stage: FsdpStage | 
 
 
 def make_policy(schedule: str, module: torch.nn.Module, microbatches: int, accumulation: int | None, hold_gathered: bool = False,
-                sync_start: int = 0, prediction: float = 0.0):
+                sync_start: int = 0, prediction: float = 0.0, stages_after: int = 0):
     """The weight-version policy of streaming schedule `schedule` for one stage module,
-    synchronous for the first `sync_start` batches (Sync Start, module docstring), 2BW's
-    versions predicted with horizon `prediction` when it is not 0. With
+    synchronous for the first `sync_start` batches (Sync Start, module docstring), its
+    weights predicted with horizon `prediction` when it is not 0 (PACI's forwards by
+    `prediction` x the stage's mean delay, `stages_after` / accumulation local steps). With
     `hold_gathered` (a pipeline stage of its own) its FSDP units gather and reduce once per
     update (`FsdpStage.hold_gathered`)."""
     stage = FsdpStage.of(module)
@@ -566,4 +644,8 @@ def make_policy(schedule: str, module: torch.nn.Module, microbatches: int, accum
         stage.hold_gathered()
     if schedule == "PipeDream2BW":
         return two_versions(module, microbatches, stage, sync_start, prediction)
-    return LocalAccumulation(list(module.parameters()), accumulation or microbatches, microbatches, stage, sync_start)
+    accumulation = accumulation or microbatches
+    if prediction and stages_after:  # the last stage's microbatches cross no local step
+        assert not stage and not sync_start, "weight prediction runs on plain parameters, without Sync Start"
+        return PredictedAccumulation(list(module.parameters()), accumulation, microbatches, prediction * stages_after / accumulation)
+    return LocalAccumulation(list(module.parameters()), accumulation, microbatches, stage, sync_start)

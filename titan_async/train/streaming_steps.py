@@ -126,7 +126,8 @@ class StreamingSteps:
         policies, executors, steps = {}, [], {}
         for stage, view in enumerate(views):
             policy = make_policy(config.parallelism.pipeline_parallel_schedule, view, m, config.parallelism.paci.accumulation,
-                                 sync_start=config.training.sync_start_steps, prediction=config.training.weight_prediction)
+                                 sync_start=config.training.sync_start_steps, prediction=config.training.weight_prediction,
+                                 stages_after=len(views) - 1 - stage)
             policies[stage] = (policy, policy_names(view, policy))
             executors.append(
                 StageExecutor(view, stage, len(views), LocalTransport(mailbox, stage), policy, self._loss, Timeline(0, False))

@@ -35,7 +35,7 @@ from titan_async.pipeline.actions import pipeline_order
 from titan_async.pipeline.emulation import stage_modules, stage_view
 from titan_async.pipeline.load_balance import moe_blocks
 from titan_async.pipeline.schedules import StreamingSchedule
-from titan_async.pipeline.versions import ShardedTwoVersions, TwoVersions, make_policy, two_versions
+from titan_async.pipeline.versions import PredictedAccumulation, ShardedTwoVersions, TwoVersions, make_policy, two_versions
 
 ESTIMATE_ONLY_NOTE = (
     "activations, the optimizer step's scratch, FSDP's unsharded and flat buffers, P2P, stage-input and NCCL buffers "
@@ -120,7 +120,7 @@ def _weight_policies(run: RunConfig, layout: Layout, parts: list[torch.nn.Module
     if layout.emulated:
         views = [stage_view(parts[0], names) for names in stage_modules(run.parallelism, len(parts[0].layers))]
         return [(view, make_policy(layout.schedule, view, layout.window, accumulation, sync_start=t.sync_start_steps,
-                                   prediction=t.weight_prediction)) for view in views]
+                                   prediction=t.weight_prediction, stages_after=len(views) - 1 - i)) for i, view in enumerate(views)]
     if t.gradient_delay:
         return [(parts[0], two_versions(parts[0], 1, FsdpStage.of(parts[0]), t.sync_start_steps, t.weight_prediction))]
     return []
@@ -154,7 +154,7 @@ def _allocated_state(parts: list[torch.nn.Module], setup: TrainerSetup) -> dict[
     allocated["weights"] = sum(_local_bytes(p) for p in params if p.ndim != 3)
     allocated["expert_weights"] = sum(_local_bytes(p) for p in params if p.ndim == 3)
     for policy in setup.policies:
-        if isinstance(policy, (TwoVersions, ShardedTwoVersions)):
+        if isinstance(policy, (TwoVersions, ShardedTwoVersions, PredictedAccumulation)):
             allocated["weight_versions"] += sum(_local_bytes(t) for t in policy.copies())
     for optimizer in setup.optimizers.optimizers:
         init_optim_state(optimizer)

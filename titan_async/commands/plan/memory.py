@@ -165,12 +165,16 @@ class Setup:
     unsharded_for_step: bool
     """FSDP units stay unsharded across the actions of a step (pipeline schedules)."""
     version_copies: int
-    """Extra copies of the local weights the weight-version policy keeps (0 or 1)."""
+    """Extra copies of the local weights the weight-version policy keeps (0 or 1; 2 with weight
+    prediction: 2BW's two predictions besides the latest weights, PACI's W_prev and prediction)."""
     gathered_versions: int
     """Extra gathered copies of the stage weights (1: PipeDream2BW under FSDP2 on a pipeline)."""
     optimizer: Literal["adamw", "muon"]
     error_feedback: bool
     activation_checkpoint: Literal["none", "selective", "full"]
+    copies_on_last_stage: bool = True
+    """Whether the last stage keeps `version_copies` too (not under PACI's weight prediction: its
+    microbatches cross no local step)."""
     nesterov: bool = True
     ns_steps: int = 5
     ns_dtype: Literal["float32", "bfloat16"] = "bfloat16"
@@ -229,7 +233,7 @@ def state_bytes(stage: StageShape, setup: Setup) -> dict[str, float]:
     return {
         "weights": weights - experts,
         "expert_weights": experts,
-        "weight_versions": (weights + 4 * stage.expert_biases) * setup.version_copies,
+        "weight_versions": (weights + 4 * stage.expert_biases) * (setup.version_copies if setup.copies_on_last_stage or not stage.last else 0),
         "gradients": weights,
         "optimizer": moments * setup.param_bytes,
         "error_feedback": weights if setup.error_feedback else 0.0,
