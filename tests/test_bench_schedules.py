@@ -133,7 +133,8 @@ def test_run_and_table_compute_tokens_bubble_and_ideal_from_the_raw_records(tmp_
     """`run` and `report` on hand-written stage records and trace (no training): the printed
     tokens/s, ratios, bubbles and 1F1B's formula bubble against our own arithmetic on the raw rows."""
     args = bench.argparse.Namespace(stages=2, fsdp=1, replicas=1, accumulate=1, microbatches=2, microbatch_size=1, seq_len=32,
-                                    warmup=1, steps=5, simulate=False, out=tmp_path / "out", reps=1)
+                                    warmup=1, steps=5, simulate=False, out=tmp_path / "out", reps=1, vocab=0,
+                                    balance=False)
     monkeypatch.setattr(bench, "titan_async", lambda *a, **k: None)
     step_times = {"1F1B": [0.0, 1.0, 1.25, 1.5, 1.75, 2.0], "PipeDream2BW": [0.0, 1.0, 1.1, 1.3, 1.4, 2.0]}  # steps 2-4 measured
     bubbles = {0: [0.5, 0.1, 0.3, 0.2, 0.9], 1: [0.5, 0.4, 0.0, 0.2, 0.9]}  # per rank, steps 1-5
@@ -164,3 +165,25 @@ def test_run_and_table_compute_tokens_bubble_and_ideal_from_the_raw_records(tmp_
         assert row["bubble per rank"] == "20.0% 20.0%"
     assert table["1F1B"]["formula bubble"] == "33%"  # (p - 1) / (m + p - 1) = 1 / 3
     assert f"{ideal:,.0f} tokens/s" in out
+
+
+def test_balance_report_pairs_each_ratio_within_its_repetition(tmp_path, capsys):
+    """The reference is the synchronous default-split variant of the highest median (1F1B: 110
+    against GPipe's 100); a balanced variant's gain is its tokens/s over its own schedule's
+    default split in the same repetition, measured and simulated alike, as min / median / max."""
+    def runs(measured, simulated):
+        return [{"tokens_per_s": m, "simulated_tokens_per_s": s} for m, s in zip(measured, simulated)]
+
+    results = {"GPipe": runs([100, 100, 100], [10, 10, 10]),
+               "1F1B": runs([100, 110, 120], [10, 10, 20]),
+               "1F1B balanced": runs([110, 99, 150], [12, 11, 20]),
+               "PipeDream2BW": runs([200, 220, 120], [20, 30, 20])}
+    bench.report_balance(results, tmp_path / "gain.csv")
+    with open(tmp_path / "gain.csv") as f:
+        rows = {row[0]: row[1:] for row in list(csv.reader(f))[1:]}
+    assert rows["GPipe"][:2] == ["0.833 / 0.909 / 1.000", "0.500 / 1.000 / 1.000"]
+    assert rows["PipeDream2BW"][:2] == ["1.000 / 2.000 / 2.000", "1.000 / 2.000 / 3.000"]
+    assert rows["1F1B balanced"] == ["0.900 / 1.100 / 1.250", "1.000 / 1.100 / 1.200",
+                                     "0.900 / 1.100 / 1.250", "1.000 / 1.100 / 1.200"]
+    assert rows["1F1B"][2:] == ["", ""]
+    assert "measured vs 1F1B" in capsys.readouterr().out

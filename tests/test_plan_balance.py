@@ -74,27 +74,3 @@ def test_balance_evens_out_a_split_that_gives_the_head_a_stage_of_blocks(capsys)
 def test_balance_needs_simulate(capsys):
     code, _, err = cli_in_process(capsys, "plan", "--config", CONFIG, *CLUSTER, "--balance")
     assert code == 2 and err.strip().endswith("--balance: applies only with --simulate")
-
-
-def test_gpu_counts_keep_the_global_batch_and_simulate_each_point_as_plan_does(capsys, tmp_path):
-    """debug_cpu_pp2 on 2 GPUs: PP 2, 8 sequences per step, microbatches of 2. At 4 GPUs FSDP 2
-    halves each data rank's batch (m/p = 4 / 2 / 2 = 1), at 8 GPUs a rank would hold 2 sequences,
-    one microbatch, too few for 1F1B on 2 stages; 3 GPUs are no whole number of 2-GPU nodes. Each point's
-    tokens/s equals `plan --simulate` of the config written out by hand for that count (on
-    nodes of the size given: 4 GPUs are 2 nodes of 2)."""
-    config = str(CONFIGS / "debug_cpu_pp2.toml")
-    picture = tmp_path / "advice.png"
-    code, out, _ = cli_in_process(capsys, "plan", "--config", config, "--gpus-per-node", "2", "--simulate", "--json",
-                                  "--gpu-counts", "2,3,4,8", "--advice-png", str(picture))
-    assert code == 0 and picture.stat().st_size > 0
-    advice = json.loads(out)
-    assert advice["sequences_per_step"] == 8
-    assert [(p["gpus"], p["m_over_p"]) for p in advice["points"]] == [(2, 2.0), (4, 1.0)]
-    reasons = {s["gpus"]: s["reason"] for s in advice["skipped"]}
-    assert sorted(reasons) == [3, 8] and "whole number of 2-GPU nodes" in reasons[3] and "at least as many microbatches" in reasons[8]
-    code, out, _ = cli_in_process(capsys, "plan", "--config", config, "--nodes", "2", "--gpus-per-node", "2", "--simulate", "--json",
-                                  "--set", "training.local_batch_size=4", "--set", "parallelism.data_parallel_shard_degree=2")
-    by_hand = {s["name"]: s["tokens_per_second"] for s in json.loads(out)["simulation"]["schedules"]}
-    point = advice["points"][1]
-    assert point["tokens_per_second"] == pytest.approx(by_hand, rel=1e-9)
-    assert point["recommended"] == max(by_hand, key=by_hand.get)

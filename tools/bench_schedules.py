@@ -30,6 +30,15 @@ the layer split's: at dim 128 with the 2048-token vocabulary the output head cos
 about one layer, and counting the embedding as none
 (`--first-stage-less-layers 0`), 13 layers split into 7 | 6 + head at p=2
 (use `--layers 15` at p=4: 4 | 4 | 4 | 3 + head).
+
+A model unbalanced the way a real one is: `--vocab N` gives the output head N columns (the
+tokenizer's 2048 tokens stay; the rest of the head is never a target but costs as much), which
+loads the last stage. `--balance` then also runs every schedule with the split `plan --simulate
+--balance` chooses for it (its `module_fqns_per_model_part`, for that schedule's stage count),
+as "SCHEDULE balanced", and with `--simulate` prints each variant's measured and simulated ratio
+to the best synchronous schedule of the default split and the balanced split's gain over the
+default one (paired within a repetition; min, median, max). `--microbatches 2,4` runs the whole
+benchmark once per m in one invocation.
 """
 
 from __future__ import annotations
@@ -55,6 +64,19 @@ ACCEPTED_RATIO = 1.1
 """The accepted bound: a streaming schedule moves at most this times 1F1B's collective bytes on every rank."""
 
 
+BALANCED = " balanced"
+"""Suffix of a variant that runs its schedule with `plan --balance`'s split."""
+
+
+def schedule_of(variant: str) -> str:
+    """The schedule a variant ("1F1B" or "1F1B balanced") runs."""
+    return variant.removesuffix(BALANCED)
+
+
+def streaming(variant: str) -> bool:
+    return schedule_of(variant) in STREAMING
+
+
 def settings(schedule: str, args) -> list[str]:
     """The `--set` assignments of one benchmark run."""
     return [
@@ -70,6 +92,7 @@ def settings(schedule: str, args) -> list[str]:
         f"model.dim={args.dim}",
         f"model.n_layers={args.layers}",
         f"parallelism.pipeline_parallel_first_stage_less_layers={args.first_stage_less_layers}",
+        f"model.vocab_size={args.vocab}",
         "checkpoint.enable=false",
         "validation.enable=false",
         "metrics.enable_tensorboard=false",
@@ -87,10 +110,11 @@ def data_parallel(args) -> bool:
     return args.fsdp > 1 or args.replicas > 1
 
 
-def titan_async(command: str, schedule: str, args, *extra: str) -> subprocess.CompletedProcess:
-    """`titan-async COMMAND` on the benchmark's model and `schedule`."""
+def titan_async(command: str, schedule: str, args, *extra: str, split: list[list[str]] | None = None) -> subprocess.CompletedProcess:
+    """`titan-async COMMAND` on the benchmark's model and `schedule` (with `split` as its
+    module_fqns_per_model_part)."""
     argv = [sys.executable, "-m", "titan_async.cli", command, "--config", str(CONFIG), *extra]
-    for setting in settings(schedule, args):
+    for setting in settings(schedule, args) + ([f"parallelism.module_fqns_per_model_part={json.dumps(split)}"] if split else []):
         argv += ["--set", setting]
     result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
@@ -102,6 +126,30 @@ def stage_weights_mib(args) -> dict[int, float]:
     """Parameter MiB of each pipeline rank's stages, from `titan-async plan`."""
     plan = json.loads(titan_async("plan", "1F1B", args, "--gpus-per-node", str(processes(args)), "--json").stdout)
     return {row["pp_rank"]: row["memory"]["weights"] / 2**20 for row in plan["ranks"]}
+
+
+MULTI_STAGE = {"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"}
+"""Schedules with two stages per rank: their split has 2p stages."""
+
+
+def balanced_splits(schedules: list[str], args) -> dict[str, list[list[str]]]:
+    """Schedule -> the split `plan --simulate --balance` chooses for it, where it proposes one
+    (asked once per stage count: the split depends on nothing else), with plan's FLOP-costed
+    gain of every schedule printed."""
+    splits, plans = {}, {}
+    for schedule in schedules:
+        multi = schedule in MULTI_STAGE
+        if multi not in plans:
+            plans[multi] = json.loads(titan_async("plan", schedule, args, "--gpus-per-node", str(processes(args)), "--simulate",
+                                                  "--balance", "--json").stdout)["balance"]
+        plan = plans[multi]
+        if plan["balanced"]:
+            splits[schedule] = plan["module_fqns_per_model_part"]
+        gain = next(row["gain"] for row in plan["schedules"] if row["name"] == schedule)
+        print(f"{schedule}: balanced split {plan['module_fqns_per_model_part'] if plan['balanced'] else 'none proposed'}"
+              f" (stage shares {' '.join(f'{x:.1%}' for x in plan['configured_shares'])} -> "
+              f"{' '.join(f'{x:.1%}' for x in plan['shares'])}; plan's FLOP-costed gain {gain:.3f}x)", flush=True)
+    return splits
 
 
 def ideal_step_time(trace: Path, microbatches: int) -> float:
@@ -119,10 +167,11 @@ def median_mib(rows: dict[int, dict], steps: range, *keys: str) -> float:
     return statistics.median(sum(rows[s].get(key, 0) for key in keys) for s in steps) / 2**20
 
 
-def run(schedule: str, args, run_dir: Path) -> dict:
-    """Train once; returns tokens/s, per-rank bubble, memory and collective traffic over the
-    measured steps, and the ideal tokens/s of a traced (streaming) run."""
-    titan_async("train", schedule, args, "--nproc-per-node", str(processes(args)), "--run-dir", str(run_dir))
+def run(variant: str, args, run_dir: Path, split: list[list[str]] | None = None) -> dict:
+    """Train once (with `split` as the stages' modules); returns tokens/s, per-rank bubble, memory
+    and collective traffic over the measured steps, and the ideal tokens/s of a traced (streaming) run."""
+    schedule = schedule_of(variant)
+    titan_async("train", schedule, args, "--nproc-per-node", str(processes(args)), "--run-dir", str(run_dir), split=split)
     measured = range(args.warmup + 1, args.steps)  # the last step also drains
     per_rank = {}  # stage -> its first rank's rows (pipeline/stage<s>.jsonl); one rank per stage without --fsdp/--replicas
     for path in sorted((run_dir / "pipeline").glob("stage*.jsonl")):
@@ -156,11 +205,12 @@ def main() -> None:
     parser.add_argument("--fsdp", type=int, default=1, help="FSDP2 degree inside each stage (stages x fsdp x replicas processes)")
     parser.add_argument("--replicas", type=int, default=1, help="replicas of each stage's FSDP group (DDP, HSDP with --fsdp)")
     parser.add_argument("--accumulate", type=int, default=1, help="local batches accumulated per optimizer step")
-    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--microbatches", default="4", help="microbatches per step; a list (2,4) runs the benchmark once per m")
     parser.add_argument("--microbatch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--layers", type=int, default=13)
+    parser.add_argument("--vocab", type=int, default=0, help="output head columns (model.vocab_size); 0: the tokenizer's 2048")
     parser.add_argument("--first-stage-less-layers", type=int, default=0,
                         help="layers the embedding counts for when splitting (parallelism.pipeline_parallel_first_stage_less_layers)")
     parser.add_argument("--steps", type=int, default=16)
@@ -170,16 +220,27 @@ def main() -> None:
     parser.add_argument("--simulate", action="store_true",
                         help="also simulate each run from its own trace (titan_async.pipeline.simulation) and print "
                              "simulated against measured ratios to 1F1B")
+    parser.add_argument("--balance", action="store_true",
+                        help="also run every schedule with the split plan --simulate --balance chooses for it")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results")
     args = parser.parse_args()
+    for m in map(int, args.microbatches.split(",")):
+        benchmark(argparse.Namespace(**{**vars(args), "microbatches": m}))
+
+
+def benchmark(args) -> None:
+    """Every variant `args.reps` times, interleaved, then the tables (`report`)."""
     schedules = args.schedules.split(",")
+    splits = balanced_splits(schedules, args) if args.balance else {}
+    variants = [v for s in schedules for v in [s, *([s + BALANCED] if s in splits else [])]]
     weights = stage_weights_mib(args)
-    results: dict[str, list[dict]] = {s: [] for s in schedules}
+    results: dict[str, list[dict]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as scratch:
         for rep in range(args.reps):
-            for schedule in schedules if rep % 2 == 0 else reversed(schedules):
-                results[schedule].append(run(schedule, args, Path(scratch) / f"{schedule}-{rep}"))
-                print(f"rep {rep} {schedule}: {results[schedule][-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
+            for variant in variants if rep % 2 == 0 else reversed(variants):
+                split = splits.get(schedule_of(variant)) if variant.endswith(BALANCED) else None
+                results[variant].append(run(variant, args, Path(scratch) / f"{variant.replace(' ', '-')}-{rep}", split))
+                print(f"rep {rep} {variant}: {results[variant][-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
     report(results, weights, args)
 
 
@@ -193,7 +254,7 @@ def report(results: dict[str, list[dict]], weights: dict[int, float], args) -> N
     p, m = args.stages, args.microbatches
     speeds = {s: [r["tokens_per_s"] for r in runs] for s, runs in results.items()}
     median = {s: statistics.median(v) for s, v in speeds.items()}
-    synchronous = [s for s in results if s not in STREAMING]
+    synchronous = [s for s in results if not streaming(s)]
     best_sync = max(synchronous, key=median.get) if synchronous else None
     ideals = [r["ideal_tokens_per_s"] for runs in results.values() for r in runs if r["ideal_tokens_per_s"]]
     ideal = statistics.median(ideals) if ideals else None
@@ -211,10 +272,10 @@ def report(results: dict[str, list[dict]], weights: dict[int, float], args) -> N
     for schedule, runs in results.items():
         ranks = sorted(runs[0]["memory_gib"])
         bubbles = [f"{statistics.median(r['bubble'][k] for r in runs):.1%}" for k in ranks]
-        formula = predicted_bubble(schedule, p, m) if schedule not in STREAMING else None
+        formula = predicted_bubble(schedule_of(schedule), p, m) if not streaming(schedule) else None
         memory = [f"{peak[schedule][k]:.3f}" for k in ranks]
         extra = [f"{peak[schedule][k] - peak['1F1B'][k]:+.3f}" for k in ranks] if "1F1B" in peak else ["-"]
-        copies = [f"{max(r['copies_mib'][k] for r in runs):.2f}" for k in ranks] if schedule in STREAMING else ["-"]
+        copies = [f"{max(r['copies_mib'][k] for r in runs):.2f}" for k in ranks] if streaming(schedule) else ["-"]
         speed = median[schedule]
         rows.append([schedule, f"{speed:,.0f}", f"{min(speeds[schedule]):,.0f}", f"{max(speeds[schedule]):,.0f}",
                      ratio(speed, median.get("1F1B")), ratio(speed, median.get(best_sync)), ratio(speed, ideal),
@@ -247,6 +308,8 @@ def report(results: dict[str, list[dict]], weights: dict[int, float], args) -> N
     print(f"saved {stem}.csv and {stem}.png")
     if args.simulate:
         report_simulation(results, args.reps, stem.with_name(stem.name + "_simulated.csv"))
+    if args.simulate and args.balance:
+        report_balance(results, stem.with_name(stem.name + "_gain.csv"))
 
 
 SIMULATION_TOLERANCE = 0.05
@@ -285,18 +348,54 @@ def report_simulation(results: dict[str, list[dict]], reps: int, path: Path) -> 
 
 
 def layout_suffix(args, separator: str, equals: str) -> str:
-    """The options that differ from one process per stage, e.g. " fsdp=2 replicas=2" or "_fsdp2_replicas2"."""
-    options = {"fsdp": args.fsdp, "replicas": args.replicas, "accumulate": args.accumulate}
-    return "".join(f"{separator}{name}{equals}{value}" for name, value in options.items() if value > 1)
+    """The options that differ from one process per stage and the default model, e.g.
+    " fsdp=2 replicas=2" or "_fsdp2_replicas2"; "_vocab8192_balance" with --vocab and --balance."""
+    options = {"fsdp": args.fsdp, "replicas": args.replicas, "accumulate": args.accumulate, "vocab": args.vocab}
+    text = "".join(f"{separator}{name}{equals}{value}" for name, value in options.items() if value > 1)
+    return text + (f"{separator}balance" if args.balance else "")
+
+
+def spread(values: list[float]) -> str:
+    """min / median / max of ratios."""
+    return f"{min(values):.3f} / {statistics.median(values):.3f} / {max(values):.3f}"
+
+
+def report_balance(results: dict[str, list[dict]], path: Path) -> None:
+    """Each variant's ratio to the best synchronous schedule of the default split (by median
+    tokens/s), measured and simulated from each run's own trace, and each balanced variant's
+    gain over its schedule's default split; every ratio paired within a repetition, min /
+    median / max over repetitions."""
+    default = [v for v in results if not streaming(v) and not v.endswith(BALANCED)]
+    reference = max(default, key=lambda v: statistics.median(r["tokens_per_s"] for r in results[v]))
+
+    def ratios(variant: str, base: str, key: str) -> list[float]:
+        return [r[key] / b[key] for r, b in zip(results[variant], results[base])]
+
+    header = ["variant", f"measured vs {reference} (min / median / max)", "simulated", "measured gain of balanced",
+              "simulated gain"]
+    rows = []
+    for variant in results:
+        gain = variant.endswith(BALANCED)
+        rows.append([variant, spread(ratios(variant, reference, "tokens_per_s")),
+                     spread(ratios(variant, reference, "simulated_tokens_per_s")),
+                     spread(ratios(variant, schedule_of(variant), "tokens_per_s")) if gain else "",
+                     spread(ratios(variant, schedule_of(variant), "simulated_tokens_per_s")) if gain else ""])
+    widths = [max(len(row[i]) for row in rows + [header]) for i in range(len(header))]
+    print("\nbalanced split: ratios within each repetition (min / median / max); simulated: each run's own trace")
+    for row in [header] + rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([header] + rows)
+    print(f"saved {path}")
 
 
 def print_acceptance(worst: dict[str, float]) -> None:
     """Each streaming schedule's largest per-rank ratio of collective bytes to 1F1B's, against `ACCEPTED_RATIO`."""
-    streaming = {s: ratio for s, ratio in worst.items() if s in STREAMING}
+    streamed = {s: ratio for s, ratio in worst.items() if streaming(s)}
     print("collective = FSDP all-gather + reduce-scatter + replica all-reduce bytes per step (the tensors they take)")
-    if streaming:
-        verdict = "within" if max(streaming.values()) <= ACCEPTED_RATIO else "ABOVE"
-        print("largest per-rank collective bytes vs 1F1B: " + ", ".join(f"{s} {r:.3f}x" for s, r in streaming.items())
+    if streamed:
+        verdict = "within" if max(streamed.values()) <= ACCEPTED_RATIO else "ABOVE"
+        print("largest per-rank collective bytes vs 1F1B: " + ", ".join(f"{s} {r:.3f}x" for s, r in streamed.items())
               + f" ({verdict} the accepted {ACCEPTED_RATIO}x)")
 
 
@@ -315,7 +414,7 @@ def plot(rows: list[list[str]], ideal: float | None, p: int, m: int, path: Path)
     speeds = [number(row[1]) for row in rows]
     spread = [[s - number(row[2]) for s, row in zip(speeds, rows)], [number(row[3]) - s for s, row in zip(speeds, rows)]]
     ax.bar([row[0] for row in rows], speeds, yerr=spread, capsize=3,
-           color=["tab:gray" if row[0] not in STREAMING else "tab:blue" for row in rows])
+           color=["tab:gray" if not streaming(row[0]) else "tab:blue" for row in rows])
     for i, row in enumerate(rows):
         ax.text(i, number(row[3]), row[5], ha="center", va="bottom")
     if ideal:

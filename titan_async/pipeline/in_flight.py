@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
-from functools import lru_cache
 
 from torch.distributed.pipelining.schedules import _Action
 
@@ -46,11 +45,6 @@ def peak_chunks(actions: list[_Action], weights: Mapping[int, float] | None = No
     return peak
 
 
-@lru_cache(maxsize=64)
-def _order(name: str, ranks: int, microbatches: int, stages_per_rank: int) -> dict[int, list[_Action]]:
-    return torch_order(name, ranks, microbatches, stages_per_rank if stages_per_rank > 1 else None)
-
-
 def rank_chunks(schedule: str, rank: int, ranks: int, microbatches: int, stages_per_rank: int,
                 weights: Mapping[int, float] | None = None) -> dict[int, int]:
     """Stage -> chunks pipeline rank `rank` of `ranks` holds at its peak (`peak_chunks`) under
@@ -61,4 +55,4 @@ def rank_chunks(schedule: str, rank: int, ranks: int, microbatches: int, stages_
     name = next((known for known in TORCH_SCHEDULES if known.lower() == schedule.lower()), None)
     if name is None:
         raise ValueError(f"{schedule!r} is not one of torch's schedules ({', '.join(TORCH_SCHEDULES)})")
-    return peak_chunks(_order(name, ranks, microbatches, stages_per_rank)[rank], weights)
+    return peak_chunks(torch_order(name, ranks, microbatches, stages_per_rank if stages_per_rank > 1 else None)[rank], weights)

@@ -30,6 +30,7 @@ import statistics
 from collections import Counter
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from functools import lru_cache
 
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
@@ -376,11 +377,12 @@ def one_f_one_b(ranks: int, microbatches: int) -> dict[int, list[_Action]]:
             for s in range(ranks)}
 
 
+@lru_cache(maxsize=128)
 def torch_order(name: str, ranks: int, microbatches: int, stages_per_rank: int | None = None) -> dict[int, list[_Action]]:
     """Rank -> compute actions of one flush of torch's schedule `name` as torch builds them (its
     schedule visualizer's helper, on mock stages; multi-stage schedules get `stages_per_rank`
     stages per rank, by default 2), 1F1B from `one_f_one_b`. torch's error, or `check_order`'s,
-    when it cannot be built for p, m."""
+    when it cannot be built for p, m. Cached: callers read it, never change it."""
     if name == "1F1B":
         return one_f_one_b(ranks, microbatches)
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from titan_async.commands.plan.advise import advise, draw
 from titan_async.commands.plan.dry_run import ESTIMATE_ONLY_NOTE, NOT_BUILT_NOTE, dry_run
@@ -16,15 +16,19 @@ from titan_async.commands.plan.estimate import (
     check_world_size,
     communication,
     estimate,
+    estimate_model,
     mixture_of_experts,
+    resolve_vocab_size,
 )
 from titan_async.commands.plan.memory import compare_schedules, gib
 from titan_async.commands.plan.balance import balanced_split, gains, with_split
 from titan_async.commands.plan.render import advice_text, print_plan
 from titan_async.commands.plan.schedule_memory import schedule_memory
 from titan_async.commands.plan.simulate import SimulationOptions, simulate_plan
+from titan_async.config.assemble import plain_parameters
 from titan_async.config.run_config import RunConfig
 from titan_async.core.errors import UserError
+from titan_async.model.meta import MetaModel, build_meta_model
 from titan_async.pipeline.schedules import SCHEDULE_NAMES, register as register_schedules
 
 
@@ -150,10 +154,40 @@ def run_plan(run: RunConfig, cluster: Cluster, strict: bool, as_json: bool, simu
     return 1 if strict and not plan["fits"] else 0
 
 
+def advice_simulator(simulation: SimulationOptions) -> Callable[[RunConfig, Cluster], dict[str, Any]]:
+    """`advise`'s simulate: `run` on `cluster` as `make_plan` simulates it ("layout" with its
+    microbatches, accumulation steps and pipeline degree, "fits" of the config's schedule and
+    "simulation" with every schedule's memory), without the dry run; the meta model is built
+    once per vocabulary and FSDP wrapping (the advisor changes batch, microbatch size,
+    recomputation and FSDP degree, none of which changes the model)."""
+    models: dict[tuple[int, bool], MetaModel] = {}
+    register_schedules()
+
+    def simulate(run: RunConfig, cluster: Cluster) -> dict[str, Any]:
+        check_world_size(run, cluster)
+        vocab, fsdp = resolve_vocab_size(run), not plain_parameters(run, cluster.world_size)
+        if (vocab, fsdp) not in models:
+            models[vocab, fsdp] = build_meta_model(run, vocab, fsdp)
+        planned = estimate_model(run, cluster, vocab, models[vocab, fsdp])
+        layout, t = planned.layout, run.training
+        tokens = t.local_batch_size * t.seq_len * run.data_parallel_degree(cluster.world_size) * layout.accumulation_steps
+        memory = schedule_memory(run, cluster, planned, list(SCHEDULE_NAMES))
+        return {
+            "layout": {"pipeline_parallel": layout.pp, "microbatches": layout.microbatches,
+                       "accumulation_steps": layout.accumulation_steps},
+            "fits": all(row["fits"] for row in planned.rows),
+            "simulation": simulate_plan(run, layout, planned.model.module, planned.shapes, planned.setup, cluster,
+                                        simulation, tokens, memory),
+        }
+
+    return simulate
+
+
 def run_advice(run: RunConfig, cluster: Cluster, simulation: SimulationOptions, gpu_counts: list[int], as_json: bool,
                picture: Path | None) -> int:
     """Print which schedule is fastest at each GPU count for the config's global batch (`advise`)."""
-    advice = advise(run, cluster, gpu_counts, lambda r, c: make_plan(r, c, simulation=simulation))
+    _check_mixture_of_experts(run)
+    advice = advise(run, cluster, gpu_counts, advice_simulator(simulation))
     if picture is not None and advice["points"]:
         draw(advice, picture)
     if as_json:

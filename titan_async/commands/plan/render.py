@@ -239,18 +239,45 @@ def _balance_table(balance: dict[str, Any]) -> Table:
 
 
 def advice_text(advice: dict[str, Any]) -> str:
-    """`plan --gpu-counts`' table and the GPU counts it left out."""
-    table = Table(
-        f"Schedules by GPU count ({advice['tokens_per_step']:,} tokens per step at each; m/p: microbatches per "
-        "step over pipeline ranks; gain: the best streaming schedule over the best synchronous one; recommended: the "
-        "fastest that fits --gpu-memory; fits: the config's schedule)",
-        ["GPUs", "m/p", "best synchronous", "tokens/s", "best streaming", "tokens/s", "gain", "recommended", "fits"],
-        [[str(p["gpus"]), f"{p['m_over_p']:g}", p["best_synchronous"], f"{p['tokens_per_second'][p['best_synchronous']]:,.0f}",
-          p["best_streaming"], f"{p['tokens_per_second'][p['best_streaming']]:,.0f}", f"{p['streaming_gain']:.3f}x",
-          p["recommended"] or "none fits", "yes" if p["config_schedule_fits"] else "no"] for p in advice["points"]],
+    """`plan --gpu-counts`' tables (the best schedules per GPU count; every schedule at its fastest
+    fitting setting), why a schedule fits no setting, and the GPU counts left out."""
+    points = advice["points"]
+    summary = Table(
+        f"Schedules by GPU count ({advice['tokens_per_step']:,} tokens per step at each; every schedule at its fastest "
+        f"setting that fits {advice['gpu_memory_bytes'] / 2**30:g} GiB, ac: activation checkpointing, mb: microbatch "
+        "size; m/p: microbatches per step over pipeline ranks at that setting; gain: the best streaming schedule over "
+        "the best synchronous one; fits: the config's schedule at the config's setting)",
+        ["GPUs", "recommended", "setting", "m/p", "tokens/s", "best synchronous", "setting", "tokens/s", "gain", "fits"],
+        [[str(p["gpus"]), *_advised(p, p["recommended"]), *_advised(p, p["best_synchronous"])[:2],
+          _tokens(p, p["best_synchronous"]), f"{p['streaming_gain']:.3f}x" if p["streaming_gain"] else "-",
+          {True: "yes", False: "no", None: "-"}[p["config_schedule_fits"]]] for p in points],
     )
+    names = list(dict.fromkeys(name for p in points for name in [*p["tokens_per_second"], *p["unfit"]]))
+    every = Table(
+        "Every schedule (tokens/s, setting; -: no setting fits or torch cannot build it, below)",
+        ["schedule", *(f"{p['gpus']} GPUs" for p in points)],
+        [[name, *(f"{_tokens(p, name)} {_short(p, name)}".strip() for p in points)] for name in names],
+    )
+    unfit = [f"{p['gpus']} GPUs, {name}: {why}" for p in points for name, why in p["unfit"].items()]
     skipped = [f"{s['gpus']} GPUs left out: {s['reason']}" for s in advice["skipped"]]
-    return "\n".join([_plain(table), *skipped])
+    return "\n".join([_plain(summary), "", _plain(every), *unfit, *skipped])
+
+
+def _advised(point: dict[str, Any], name: str | None) -> list[str]:
+    """A schedule's name, setting, m/p and tokens/s at one GPU count; `-` without one."""
+    if name is None:
+        return ["none fits", "-", "-", "-"]
+    chosen = point["settings"][name]
+    return [name, chosen["setting"], f"{chosen['m_over_p']:g}", _tokens(point, name)]
+
+
+def _tokens(point: dict[str, Any], name: str | None) -> str:
+    return f"{point['tokens_per_second'][name]:,.0f}" if name in point["tokens_per_second"] else "-"
+
+
+def _short(point: dict[str, Any], name: str) -> str:
+    chosen = point["settings"].get(name)
+    return f"({chosen['activation_checkpoint']}, mb {chosen['microbatch_size']})" if chosen else ""
 
 
 def _plain(table: Table) -> str:

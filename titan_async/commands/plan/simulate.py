@@ -9,10 +9,10 @@ rank gives each 1/v):
 - forward + backward of one microbatch: the stages' training FLOPs per GPU
   (`optim.muon_cost.stage_costs`: 6 x matmul weights x tokens plus causal attention, / TP x CP;
   MoE experts count top_k / num_experts of their weights) at `mfu` x `peak_tflops`, split 1:2;
-  full activation checkpointing adds a forward to the backward (selective recomputation is not
-  counted); a split backward gives I and W half each of `split_cost` x the backward
-  (SPLIT_COST: torch re-runs the autograd node where weights and inputs meet, so a compiled
-  block, one node, runs its whole backward twice). Under expert parallelism each token
+  activation checkpointing adds what the backward recomputes (`recomputed_flops`: full, the
+  whole forward; selective, every second matmul of each block); a split backward gives I and W
+  half each of `split_cost` x the backward (SPLIT_COST: torch re-runs the autograd node where
+  weights and inputs meet, so a compiled block, one node, runs its whole backward twice). Under expert parallelism each token
   all-to-all (`estimate.all_to_all_bytes`: dispatch and combine, 2 in the forward, 2 in the
   backward, 2 more with full recomputation) adds its bytes over the link the EP group spans,
   not overlapped.
@@ -132,6 +132,20 @@ def muon_exchange_seconds(run: RunConfig, layout: Layout, stages: list[StageCost
     return tuple(sum(stages[i].received_bytes for i in indices) / bandwidth for indices in layout.rank_stages)
 
 
+def recomputed_flops(training_flops: float, layers: int, setup: Setup, tokens: int) -> float:
+    """FLOPs the backward of one microbatch repeats of its forward, before the TP x CP split, for
+    stages of `training_flops` (forward + backward) holding `layers` blocks: full recomputation
+    the whole forward (a third); torchtitan's selective policy every second matmul of each block
+    (it saves the others and attention; counted per block: wqkv, wo, w1, w3, w2, so wo and w3 are
+    recomputed, 2 x tokens x (dim^2 + dim x ffn_dim); an MoE block's experts are not counted);
+    none nothing."""
+    if setup.activation_checkpoint == "full":
+        return training_flops / 3
+    if setup.activation_checkpoint == "selective":
+        return 2 * tokens * layers * (setup.dim ** 2 + setup.dim * setup.ffn_dim)
+    return 0.0
+
+
 def rank_costs(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes: list[StageShape], setup: Setup,
                cluster: Cluster, options: SimulationOptions) -> Costs:
     """The simulation's costs of every pipeline rank of `layout` (module docstring)."""
@@ -151,10 +165,11 @@ def rank_costs(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes: l
         flops = sum(stages[i].training_flops for i in indices)
         if setup.num_experts:
             flops += 6 * tokens * sum(s.expert_params for s in mine) * setup.top_k / setup.num_experts
+        recompute = recomputed_flops(flops, sum(s.layers for s in mine), setup, tokens) / (split * options.flops_per_s)
         flops /= split * options.flops_per_s
         exchange = all_to_all_bytes(mine, setup, microbatches=1) / ep_link.bandwidth / (4 + 2 * recomputed)
         forward.append(flops / 3 + 2 * exchange)
-        backward.append((2 + recomputed) * flops / 3 + (2 + 2 * recomputed) * exchange)
+        backward.append(2 * flops / 3 + recompute + (2 + 2 * recomputed) * exchange)
         if not muon:
             newton_schulz = 0
         elif setup.num_experts:
@@ -320,7 +335,8 @@ def flop_assumptions(options: SimulationOptions, costs: Costs, collectives: dict
         f"compute at MFU {options.mfu:g} of {options.peak_tflops:g} TFLOP/s per GPU: 6 x matmul weights x tokens + "
         f"causal attention, forward:backward 1:2 (a split backward: I and W half each of {costs.split_cost:g} x the "
         f"backward, as torch's split measured on {'compiled' if costs.split_cost > 1.5 else 'eager'} blocks), "
-        "full recomputation adds a forward, selective is not counted; TP collectives are inside the MFU",
+        "full recomputation adds a forward, selective every second matmul of each block (wo, w3); TP collectives are "
+        "inside the MFU",
         f"per microbatch and pipeline rank, forward {_ms(costs.forward)} ms, backward {_ms(costs.backward)} ms; "
         f"optimizer step {_ms(costs.optimizer)} ms (Newton-Schulz FLOPs of the busiest Muon owner at the same MFU + "
         f"element-wise passes at {HBM_BYTES_PER_S / 1e12:g} TB/s"
