@@ -2,11 +2,12 @@
 PACI stages.
 
 TP ranks read the same sequences, so a PP 2 x TP 2 run sees the batches of one process without
-a pipeline: 2BW equals the independent reference (independent_reference.py) on the batches the
-run logs, PACI equals the single-process emulation of its update timing, both within 1e-5
-relative (TP only reorders sums; 2BW's logged gradient norms within 1e-4, see its test). With Muon the reference orthogonalises each whole matrix in
-one process, so equality also checks that a TP-sharded (and FSDP x TP-sharded) weight is
-updated from its full logical matrix.
+a pipeline: 2BW (AdamW) and PACI (Muon + error feedback) equal the independent reference
+(independent_reference.py) on the batches the run logs (TP only reorders sums: the bounds each
+test states). With Muon the reference orthogonalises each whole matrix in one process, so
+equality also checks that a TP-sharded weight is updated from its full logical matrix; FSDP x
+TP with Muon is compared with the delayed single-process rule (its custom stage split is not
+the reference's).
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ from test_independent_reference import (assert_different, assert_equal_with_resh
                                         reference_inputs)
 from test_schedules import EXACT, STEPS, assert_close_weights, assert_same_run, final_weights
 
-ONE_PROCESS = ("--config", str(CONFIGS / "debug_cpu.toml"), "--nproc-per-node", "1")
-PP2_TP2 = ("--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--nproc-per-node", "4")
 TP2 = "parallelism.tensor_parallel_degree=2"
 MICROBATCH = 2
 TRAIN = (f"parallelism.pipeline_parallel_microbatch_size={MICROBATCH}",)
@@ -50,10 +49,10 @@ def two_bw(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def paci(tmp_path_factory):
-    """(single-process emulation, PP 2 x TP 2 PACI run), Muon + error feedback."""
+    """A PP 2 x TP 2 PACI run, Muon + error feedback, with test_independent_reference.py's
+    settings and logs (batches, communication)."""
     root = tmp_path_factory.mktemp("tp_paci")
-    emulated = train(root / "emulated", *TRAIN, *PACI, *MUON_EF, "parallelism.emulated_stages=2", layout=ONE_PROCESS)
-    return emulated, train(root / "paci", *TRAIN, *PACI, *MUON_EF, TP2, layout=PP2_TP2)
+    return pipelined(root / "paci", *TRAIN, *PACI, *MUON_EF, TP2, nproc=4)
 
 
 def test_2bw_with_tensor_parallel_equals_the_independent_reference(two_bw):
@@ -73,11 +72,22 @@ def test_2bw_with_tensor_parallel_equals_the_independent_reference(two_bw):
     nccl_model.assert_nccl_safe(two_bw / "comm", stages=2, ranks_per_stage=2)
 
 
-def test_paci_with_tensor_parallel_and_muon_equals_its_emulation(paci):
-    emulated, pipelined = paci
-    assert_same_run(emulated, pipelined)
-    assert_close_weights(final_weights(pipelined), final_weights(emulated))
-    nccl_model.assert_nccl_safe(pipelined / "comm", stages=2, ranks_per_stage=2)
+def test_paci_with_tensor_parallel_and_muon_equals_the_independent_reference(paci):
+    """PP 2 x TP 2 with sequence parallel, PACI (a = 2 of m = 4), Muon (each whole matrix
+    orthogonalised in the reference, TP shards in the run) and error feedback, against
+    `ref.paci` on the batches both TP ranks log. Losses to 1e-5 (measured 5.9e-8); gradient
+    norms to 1e-4 as for 2BW above (1.3e-5); weights to 1e-4 (4.8e-5): Newton-Schulz's five
+    iterations on a matrix gathered from TP shards, whose gradient TP summed in another order,
+    grow float32 rounding by the largest factor of these comparisons. Control: one backward late."""
+    settings, batches, weights = reference_inputs(paci)
+    assert settings.tensor_ranks == 2 and settings.optimizer == "muon" and settings.microbatches == 4
+    drains = ref.drain_steps(paci)
+    update_of_step = lambda step: step * 4 // 2
+    found = differences(paci, weights, ref.paci(settings, batches, drains), update_of_step)
+    print("reference:", found)
+    assert found["loss"] < 1e-5 and found["grad_norm"] < 1e-4 and found["weights"] < 1e-4, found
+    assert_different(differences(paci, weights, ref.paci(settings, batches, drains, late=1), update_of_step))
+    nccl_model.assert_nccl_safe(paci / "comm", stages=2, ranks_per_stage=2)
 
 
 def test_stages_send_sequence_parallel_shards_and_log_tp_collectives(two_bw):
@@ -117,7 +127,7 @@ def assert_resumes_exactly(run, destination) -> None:
 @pytest.mark.parametrize("runs", ["two_bw", "paci"])
 def test_tensor_parallel_streaming_run_resumes_exactly(runs, request, tmp_path):
     run = request.getfixturevalue(runs)
-    assert_resumes_exactly(run if runs == "two_bw" else run[1], tmp_path / "resumed")
+    assert_resumes_exactly(run, tmp_path / "resumed")
 
 
 def test_2bw_muon_on_fsdp_times_tensor_parallel_equals_the_delayed_reference(tmp_path):
