@@ -239,22 +239,33 @@ def test_validation_every_step_leaves_2bw_equal_to_the_independent_reference(tmp
     assert_different(differences(run, weights, ref.two_bw(settings, batches, variant="stale"), update_of_step))
 
 
-def test_2bw_with_fsdp_equals_the_independent_reference(tmp_path):
-    """PP 2 x FSDP 2 (4 processes), PipeDream2BW, AdamW: each data rank trains its own local batch
-    and the reference trains on the global batch, both data ranks' batches under one loss
-    normalisation (the sum over the global batch's valid tokens). At step 3 only rank 3 (stage
-    1's second data rank) finds a NaN in its gradient shard: both ranks of stage 1 must skip
-    their update on the device (`found_inf` agreed over the stage's group), stage 0 must not, and
-    training goes on; the reference skips stage 1's update 3 (weights and AdamW state kept, the
-    lr schedule moving on). Controls: data rank 0's batches alone, the update written into the
-    stale version, and no update skipped.
+INJECTED = ("health.inject_nonfinite_steps=[3]", "health.inject_stage=1", "health.inject_rank=3")
+SKIPPED = frozenset({(1, 3)})
+"""Stage 1's update 3, which both ranks of the stage must skip when rank 3 alone poisons its
+gradient at step 3 (on PP 2 with 2 data ranks, ranks 2 and 3 hold stage 1)."""
 
-    The gradient norms get 1e-4: stage 1's norm is a float32 sum of squares dominated by lm_head
-    (131k entries), which torch's foreach norm over the whole tensor (the reference) and FSDP's
-    two shards (the run) round differently: measured 1.0-1.4e-5 relative apart, each within 2e-5
-    of the float64 norm (stage 0's agree to 2e-7). Losses and weights keep 1e-5 (measured 1.4e-7
-    and 2.5e-7)."""
-    run = pipelined(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PipeDream2BW", *INJECTED,
+DATA_RANKS = {"fsdp": (), "replicas": ("parallelism.data_parallel_shard_degree=1", "parallelism.data_parallel_replicate_degree=2")}
+"""Two data ranks per stage on debug_cpu_pp2_fsdp2.toml (4 processes): FSDP 2, or 2 DDP replicas."""
+
+
+@pytest.mark.parametrize("layout", DATA_RANKS)
+def test_2bw_with_data_ranks_equals_the_independent_reference(tmp_path, layout):
+    """PP 2 x FSDP 2 or x 2 DDP replicas (4 processes), PipeDream2BW, AdamW: each data rank
+    trains its own local batch and the reference trains on the global batch, both data ranks'
+    batches under one loss normalisation (the sum over the global batch's valid tokens). At
+    step 3 only rank 3 (stage 1's second data rank) finds a NaN in its gradient: both ranks of
+    stage 1 must skip their update on the device (`found_inf` agreed over the stage's group),
+    stage 0 must not, and training goes on; the reference skips stage 1's update 3 (weights and
+    AdamW state kept, the lr schedule moving on). Controls: data rank 0's batches alone (the
+    gradients not averaged), the update written into the stale version, and no update skipped.
+    The run's communication also keeps NCCL's ordering rules (nccl_model).
+
+    Under FSDP the gradient norms get 1e-4: stage 1's norm is a float32 sum of squares dominated
+    by lm_head (131k entries), which torch's foreach norm over the whole tensor (the reference)
+    and FSDP's two shards (the run) round differently: measured 1.0-1.4e-5 relative apart, each
+    within 2e-5 of the float64 norm (stage 0's agree to 2e-7). Losses and weights keep 1e-5
+    (measured 1.4e-7 and 2.5e-7); replicas keep 1e-5 throughout (1.4e-7)."""
+    run = pipelined(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PipeDream2BW", *DATA_RANKS[layout], *INJECTED,
                     config="debug_cpu_pp2_fsdp2.toml", nproc=4)
     logs = {rank: (run / "logs" / f"rank{rank}.log").read_text() for rank in range(4)}
     assert "step 3: stage 1 (rank 3) has a non-finite gradient" in logs[3]
@@ -262,33 +273,8 @@ def test_2bw_with_fsdp_equals_the_independent_reference(tmp_path):
     settings, batches, weights = reference_inputs(run)
     assert settings.data_ranks == 2 and len(batches[0]) == 2 * settings.microbatches
     update_of_step = lambda step: step
-    assert_equal_with_resharded_norms(differences(run, weights, ref.two_bw(settings, batches, skipped=SKIPPED), update_of_step))
-    one_rank = ref.read_batches(run / "batches", settings, data_ranks=[0])
-    assert_different(differences(run, weights, ref.two_bw(settings, one_rank, skipped=SKIPPED), update_of_step))
-    assert_different(differences(run, weights, ref.two_bw(settings, batches, variant="stale", skipped=SKIPPED), update_of_step))
-    assert_different(differences(run, weights, ref.two_bw(settings, batches), update_of_step))
-
-
-INJECTED = ("health.inject_nonfinite_steps=[3]", "health.inject_stage=1", "health.inject_rank=3")
-SKIPPED = frozenset({(1, 3)})
-"""Stage 1's update 3, which both ranks of the stage must skip when rank 3 alone poisons its
-gradient at step 3 (on PP 2 with 2 data ranks, ranks 2 and 3 hold stage 1)."""
-
-
-def test_2bw_with_replicas_equals_the_independent_reference(tmp_path):
-    """PP 2 x 2 replicas (DDP, 4 processes), PipeDream2BW, AdamW, against `ref.two_bw` on both
-    data ranks' batches joined (as with FSDP), where at step 3 only rank 3 (stage 1's second
-    replica) finds a non-finite gradient: both replicas of stage 1 must skip the update on the
-    device. Controls: data rank 0's batches alone (the gradients not averaged over the replicas),
-    the update written into the stale version, and no update skipped. The run's communication
-    also keeps NCCL's ordering rules (nccl_model)."""
-    run = pipelined(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PipeDream2BW",
-                    "parallelism.data_parallel_shard_degree=1", "parallelism.data_parallel_replicate_degree=2",
-                    *INJECTED, config="debug_cpu_pp2_fsdp2.toml", nproc=4)
-    settings, batches, weights = reference_inputs(run)
-    assert settings.data_ranks == 2 and len(batches[0]) == 2 * settings.microbatches
-    update_of_step = lambda step: step
-    assert_equal(differences(run, weights, ref.two_bw(settings, batches, skipped=SKIPPED), update_of_step))
+    found = differences(run, weights, ref.two_bw(settings, batches, skipped=SKIPPED), update_of_step)
+    (assert_equal_with_resharded_norms if layout == "fsdp" else assert_equal)(found)
     one_rank = ref.read_batches(run / "batches", settings, data_ranks=[0])
     assert_different(differences(run, weights, ref.two_bw(settings, one_rank, skipped=SKIPPED), update_of_step))
     assert_different(differences(run, weights, ref.two_bw(settings, batches, variant="stale", skipped=SKIPPED), update_of_step))
@@ -321,14 +307,15 @@ def test_2bw_muon_with_hsdp_equals_the_independent_reference(tmp_path):
     nccl_model.assert_nccl_safe(run / "comm", stages=2, ranks_per_stage=4)
 
 
-def test_paci_with_fsdp_equals_the_independent_reference(tmp_path):
-    """PP 2 x FSDP 2, PACI (a = 3 of m = 8 per data rank): a local step reduces the stage's
-    gradients over both data ranks, so the reference's microbatch i is both data ranks' i-th
-    microbatch side by side (`side_by_side`). Gradient norms at 1e-4, as under FSDP above.
-    Controls: one backward late, and data rank 0's batches alone."""
+@pytest.mark.parametrize("layout", DATA_RANKS)
+def test_paci_with_data_ranks_equals_the_independent_reference(tmp_path, layout):
+    """PP 2 x FSDP 2 or x 2 DDP replicas, PACI (a = 3 of m = 8 per data rank): a local step
+    reduces the stage's gradients over both data ranks, so the reference's microbatch i is both
+    data ranks' i-th microbatch side by side (`side_by_side`). Gradient norms at 1e-4, as under
+    FSDP above. Controls: one backward late, and data rank 0's batches alone."""
     a, m = 3, 8
     run = pipelined(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PACI", f"parallelism.paci.accumulation={a}",
-                    config="debug_cpu_pp2_fsdp2.toml", nproc=4)
+                    *DATA_RANKS[layout], config="debug_cpu_pp2_fsdp2.toml", nproc=4)
     settings, batches, weights = reference_inputs(run)
     assert settings.data_ranks == 2 and settings.microbatches == m
     drains, joined = ref.drain_steps(run), ref.side_by_side(batches, settings.data_ranks)
@@ -337,3 +324,4 @@ def test_paci_with_fsdp_equals_the_independent_reference(tmp_path):
     assert_different(differences(run, weights, ref.paci(settings, joined, drains, late=1), update_of_step))
     one_rank = ref.read_batches(run / "batches", settings, data_ranks=[0])
     assert_different(differences(run, weights, ref.paci(settings, one_rank, drains), update_of_step))
+    nccl_model.assert_nccl_safe(run / "comm", stages=2, ranks_per_stage=2)
