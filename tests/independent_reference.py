@@ -208,15 +208,26 @@ def document_mask(positions: torch.Tensor) -> torch.Tensor:
 
 class Float32Experts(GroupedExperts):
     """torchtitan's grouped SwiGLU experts, w2(silu(w1 x) * w3 x) on each expert's rows, with the
-    matmuls written out per expert in the tokens' dtype: `model.expert_precision = "full"`."""
+    matmuls written out per expert in the tokens' dtype: `model.expert_precision = "full"`.
+    With `then` (name -> weights, set by `ForwardTimeValues`) each matmul takes the value it had
+    with those weights and differentiates at the current ones, so the SwiGLU's inner activations
+    are the forward's too (a hook on the whole module would recompute them)."""
+
+    then: dict[str, torch.Tensor] | None = None
 
     @dataclass(kw_only=True, slots=True)
     class Config(GroupedExperts.Config):
         pass
 
+    def _linear(self, rows: torch.Tensor, name: str, expert: int) -> torch.Tensor:
+        out = F.linear(rows, getattr(self, name)[expert])
+        if self.then is None:
+            return out
+        return out + (F.linear(rows, self.then[name][expert]) - out).detach()
+
     def forward(self, x, num_tokens_per_expert):
-        outputs = [F.linear(F.silu(F.linear(rows, w1)) * F.linear(rows, w3), w2) for rows, w1, w2, w3 in zip(
-            x.split(num_tokens_per_expert.tolist()), self.w1_EFD, self.w2_EDF, self.w3_EFD)]
+        outputs = [self._linear(F.silu(self._linear(rows, "w1_EFD", e)) * self._linear(rows, "w3_EFD", e), "w2_EDF", e)
+                   for e, rows in enumerate(x.split(num_tokens_per_expert.tolist()))]
         return torch.cat(outputs) if outputs else x[:0]
 
 
@@ -653,7 +664,8 @@ class Stage(nn.Module):
 class ForwardTimeValues:
     """While active, every parameter-holding module under `root` returns the value it had with
     the weights `snapshot` (name -> tensor, taken at the forward) but differentiates at its
-    current weights: out_now + (out_then - out_now).detach()."""
+    current weights: out_now + (out_then - out_now).detach(). `Float32Experts` does so per matmul
+    (its `then`)."""
 
     def __init__(self, root: nn.Module) -> None:
         self.snapshot: dict[str, torch.Tensor] | None = None
@@ -663,7 +675,15 @@ class ForwardTimeValues:
             own = [name for name, _ in module.named_parameters(recurse=False)]
             if own:
                 keys = {name: f"{prefix}.{name}" if prefix else name for name in own}
-                self.handles.append(module.register_forward_hook(self._hook(keys), with_kwargs=True))
+                if isinstance(module, Float32Experts):
+                    self.handles.append(module.register_forward_pre_hook(self._experts_hook(keys)))
+                else:
+                    self.handles.append(module.register_forward_hook(self._hook(keys), with_kwargs=True))
+
+    def _experts_hook(self, keys: dict[str, str]):
+        def hook(module, args):
+            module.then = None if self.snapshot is None else {name: self.snapshot[key] for name, key in keys.items()}
+        return hook
 
     def _hook(self, keys: dict[str, str]):
         def hook(module, args, kwargs, output):
@@ -681,7 +701,7 @@ class ForwardTimeValues:
 @one_thread
 def paci(settings: Settings, batches: list[list[Microbatch]], drains: set[int], late: int = 0,
          backward_weights: str = "current", sync_start: int = 0, lagged_clip: int | None = None,
-         prediction: float = 0.0) -> Result:
+         prediction: float = 0.0, bias_counts: str = "forward") -> Result:
     """PACI on 2 stages: stage s keeps 1 - s microbatches in flight and steps after every `a` of
     its backwards, the stream drained after the steps in `drains`. Update u of a stage runs at
     the lr of scheduler step floor((u - 1) a / m). Controls: `late` steps that many backwards
@@ -695,7 +715,11 @@ def paci(settings: Settings, batches: list[list[Microbatch]], drains: set[int], 
     step t logs update floor(t m / a). Weight prediction (h = `prediction` > 0): stage 0, whose
     microbatches cross 1 / a of its local steps on average, runs each forward at
     W + (h / a) (W - W_prev), W_prev its weights before its last step; its backward then reads
-    the current weights as always; stage 1 crosses none."""
+    the current weights as always; stage 1 crosses none. With experts, a stage's step first
+    moves its blocks' biases by the counts of the microbatches whose backward it applies, each
+    routed at its forward (`bias_counts="forward"`; the control "backward" counts the routing of
+    stage 0's recomputation at the backward's weights and biases instead), and stage 0's
+    backward routes as its forward did (the forward's biases)."""
     a, m = settings.accumulation or settings.microbatches, settings.microbatches
     drains = drains | set(range(1, sync_start + 1))
     model = build_model(settings)
@@ -707,10 +731,25 @@ def paci(settings: Settings, batches: list[list[Microbatch]], drains: set[int], 
     counts, updates = [0, 0], [0, 0]
     names = [name for name, _ in model.named_parameters() if stage_of(name) == 0]
     before: dict[str, torch.Tensor] = {}  # stage 0's weights before its last step
+    blocks = [moe_blocks(model)[:2], moe_blocks(model)[2:]] if settings.family == "qwen3_moe" else [[], []]
+    routed: list[list[torch.Tensor]] = [[], []]  # per stage: the counts of the backwards since its last step
+
+    def stage_counts(stage: int) -> torch.Tensor:
+        """The tokens stage `stage`'s blocks routed since the counters were zeroed; zeroes them."""
+        counts = torch.stack([block.tokens_per_expert_E.clone() for block in blocks[stage]])
+        for block in blocks[stage]:
+            block.tokens_per_expert_E.zero_()
+        return counts
 
     def step(stage: int, lr_step: int) -> None:
         if stage == 0:
             before.update({n: p.detach().clone() for n, p in model.named_parameters() if stage_of(n) == 0})
+        if blocks[stage]:
+            with torch.no_grad():
+                for block, row in zip(blocks[stage], sum(routed[stage]).float()):
+                    delta = settings.load_balance_coeff * torch.sign(row.mean() - row)
+                    block.expert_bias_E.add_(delta - delta.mean())
+            routed[stage].clear()
         optimizers[stage].step(lr_step)
         updates[stage] += 1
 
@@ -724,12 +763,17 @@ def paci(settings: Settings, batches: list[list[Microbatch]], drains: set[int], 
         if count >= a + late and (count - late) % a == 0:
             step(stage, sync_start + update * a // m)
 
-    in_flight: list[tuple[int, dict, torch.Tensor, Microbatch]] = []  # stage 0's: (index, weights then, output grad, microbatch)
+    in_flight: list[tuple] = []  # stage 0's: (index, weights then, output grad, microbatch, its counts and biases at the forward)
 
     def stage0_backward() -> None:
-        _, then, grad, mb = in_flight.pop(0)
+        _, then, grad, mb, forward_counts, forward_biases = in_flight.pop(0)
         state = {n: p for n, p in model.named_parameters()}
         same = all(torch.equal(then[n], state[n]) for n in names)
+        biases_now = [block.expert_bias_E.clone() for block in blocks[0]]
+        if bias_counts == "forward":
+            with torch.no_grad():
+                for block, bias in zip(blocks[0], forward_biases):
+                    block.expert_bias_E.copy_(bias)
         if same or backward_weights == "current":
             mixed.snapshot = None if same else then
             try:
@@ -746,6 +790,12 @@ def paci(settings: Settings, batches: list[list[Microbatch]], drains: set[int], 
             with torch.no_grad():
                 for n in names:
                     state[n].copy_(now[n])
+        if blocks[0]:
+            recomputed = stage_counts(0)
+            routed[0].append(forward_counts if bias_counts == "forward" else recomputed)
+            with torch.no_grad():
+                for block, bias in zip(blocks[0], biases_now):
+                    block.expert_bias_E.copy_(bias)
         after_backward(0)
 
     losses = {}
@@ -757,18 +807,26 @@ def paci(settings: Settings, batches: list[list[Microbatch]], drains: set[int], 
                 then = {name: w + prediction / a * (w - before[name]) for name, w in then.items()}
             live = dict(model.named_parameters())
             now = {name: live[name].detach().clone() for name in then}
+            if blocks[0]:
+                stage_counts(0)
             with torch.no_grad():
                 for name in then:
                     live[name].copy_(then[name])
                 h = stages[0](mb.tokens, mb.positions)
                 for name in then:
                     live[name].copy_(now[name])
+            forward_counts = stage_counts(0) if blocks[0] else None
+            forward_biases = [block.expert_bias_E.clone() for block in blocks[0]]
             h = h.detach().requires_grad_(True)
+            if blocks[1]:
+                stage_counts(1)
             loss = summed_loss(stages[1](h, mb.positions), mb.labels) / n
             loss.backward()
             total += loss.item()
+            if blocks[1]:
+                routed[1].append(stage_counts(1))
             after_backward(1)
-            in_flight.append((t, then, h.grad, mb))
+            in_flight.append((t, then, h.grad, mb, forward_counts, forward_biases))
             while len(in_flight) > 1:  # stage 0 keeps one microbatch in flight
                 stage0_backward()
         losses[t + 1] = total

@@ -325,3 +325,25 @@ def test_paci_with_data_ranks_equals_the_independent_reference(tmp_path, layout)
     one_rank = ref.read_batches(run / "batches", settings, data_ranks=[0])
     assert_different(differences(run, weights, ref.paci(settings, one_rank, drains), update_of_step))
     nccl_model.assert_nccl_safe(run / "comm", stages=2, ranks_per_stage=2)
+
+
+def test_paci_moe_equals_the_independent_reference(tmp_path):
+    """torchtitan's Qwen3 MoE under PACI (a = 3 of m = 4), experts in float32
+    (`model.expert_precision = "full"`: torchtitan's bfloat16 experts save bfloat16 copies of
+    their weights in the forward, so a backward that crossed a step would read the forward's
+    experts, not PACI's current weights). Each stage's step moves its blocks' biases by the
+    counts of exactly the microbatches whose backward it applies, routed at their forwards, and a
+    backward that crossed a step routes as its forward did. Controls: the counts of the routing
+    at the backward's weights and biases, and one backward late."""
+    a, m = 3, 4
+    run = pipelined(tmp_path / "run", *MOE, "model.expert_precision=full", "parallelism.pipeline_parallel_schedule=PACI",
+                    f"parallelism.paci.accumulation={a}")
+    settings, batches, weights = reference_inputs(run)
+    assert settings.family == "qwen3_moe" and settings.expert_precision == "full" and settings.microbatches == m
+    drains = ref.drain_steps(run)
+    update_of_step = lambda step: step * m // a
+    assert_equal(differences(run, weights, ref.paci(settings, batches, drains), update_of_step))
+    recounted = differences(run, weights, ref.paci(settings, batches, drains, bias_counts="backward"), update_of_step)
+    print("control:", recounted)  # biases move by 1e-2 steps: the losses by ~1e-4, the biases by half their size
+    assert recounted["loss"] > 3e-5 and recounted["grad_norm"] > 1e-2 and recounted["weights"] > 0.1, recounted
+    assert_different(differences(run, weights, ref.paci(settings, batches, drains, late=1), update_of_step))
