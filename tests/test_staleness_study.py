@@ -144,7 +144,7 @@ def test_report_writes_results_and_keeps_the_analysis(tmp_path: Path):
     (out / "README.md").write_text("old table\n\n## Analysis\n\nhand-written text\n")
     study.report(study.study_arms([0, 1]), runs, out, {Arm("adamw", 0, False): 12.0}, ["- command: `x`"])
     readme = (out / "README.md").read_text()
-    assert "| AdamW delay 1 | 4.3000 | 4.3300 | +0.3000 | +0.2800 | +0.2900 | +0.2900 |  |" in readme
+    assert "| AdamW delay 1 | 4.3000 | 4.3300 | +0.3000 | +0.2800 | +0.2900 | +0.2800..+0.3000 | +0.2900 |  |" in readme
     assert "old table" not in readme and readme.endswith("## Analysis\n\nhand-written text\n")
     assert "-> holds" in readme and "- command: `x`" in readme
     assert {p.name for p in (out / "configs").iterdir()} == {f"{a.name}.toml" for a in {**SEED0, **SEED1}}
@@ -153,3 +153,52 @@ def test_report_writes_results_and_keeps_the_analysis(tmp_path: Path):
         assert sum(1 for r in csv.DictReader(f) if r["kind"] == "validation") == 3 * 16
     with open(out / "table.csv", newline="") as f:
         assert next(csv.DictReader(f))["wall_s"] == "12.0"
+
+
+def test_tokens20_regime_trains_20_tokens_per_parameter():
+    regime = study.REGIMES["tokens20"]
+    assert regime.parameters == study.dense_parameters(64, 4, 512, 64) == 279_104  # the trainer's count
+    assert regime.tokens == regime.steps * regime.seq_len * regime.batch
+    step_tokens = regime.seq_len * regime.batch * regime.evaluations
+    assert 20 * regime.parameters <= regime.tokens < 20 * regime.parameters + step_tokens
+    settings = regime.settings(1e-3, 1e-2, 1e-3)
+    assert settings.steps % settings.validation_freq == 0 and settings.warmup_steps == round(0.05 * settings.steps)
+    assert {"data.vocab_size=512", "model.multiple_of=64", f"training.steps={regime.steps}"} <= set(settings.overrides())
+
+
+def test_corrector_arms_and_their_overrides():
+    arms = study.study_arms([0, 1], correctors=True)
+    assert len(arms) == 24 and len({a.name for a in arms}) == 24
+    assert arms[8:12] == [Arm("adamw", 1, False, 0, "sync_start"), Arm("muon", 1, False, 0, "sync_start"),
+                          Arm("adamw", 1, False, 0, "predict"), Arm("muon", 1, False, 0, "predict")]
+    sync_start = Arm("muon", 1, False, 1, "sync_start")
+    assert sync_start.name == "muon-delay1-syncstart-seed1" and sync_start.label == "Muon delay 1 + Sync Start"
+    assert "training.sync_start_steps=137" in sync_start.overrides(1370)
+    assert "training.gradient_delay=1" in sync_start.overrides(1370)
+    predict = Arm("adamw", 1, False, 0, "predict")
+    assert "training.weight_prediction=1" in predict.overrides() and predict.name == "adamw-delay1-predict"
+    assert not any("sync_start" in o or "weight_prediction" in o for o in Arm("adamw", 1, True).overrides(100))
+    assert study.study_arms([0]) == study.study_arms([0], correctors=False)
+
+
+def test_corrector_rows_recover_a_share_of_the_delay_gap_with_its_spread(tmp_path: Path):
+    finals = {**SEED0, **SEED1}
+    finals[Arm("adamw", 1, False, 0, "predict")] = 4.15  # gap 0.15 of 0.30
+    finals[Arm("adamw", 1, False, 1, "predict")] = 4.05 + 0.11  # gap 0.11 of 0.28
+    runs = write_runs(tmp_path, finals)
+    rows = study.build_table(study.collect(study.study_arms([0, 1], correctors=True), runs))
+    row = next(r for r in rows if r.arm.corrector == "predict")
+    assert rows.index(row) == 4 and row.gaps == {0: pytest.approx(0.15), 1: pytest.approx(0.11)}
+    assert row.gap_range == (pytest.approx(0.11), pytest.approx(0.15))
+    assert row.ef_recovery == pytest.approx(1 - 0.13 / 0.29)
+    assert row.mean_gap_same_ef == pytest.approx(0.13)
+    line = next(x for x in study.format_table(rows).splitlines() if x.startswith("| AdamW delay 1 + weight prediction |"))
+    assert "| +0.1300 | +0.1100..+0.1500 | +0.1300 | 55% |" in line
+
+
+def test_best_lr_and_dry_run(tmp_path: Path, capsys):
+    assert study.best_lr({1e-3: 4.2, 3e-3: 4.1, 6e-3: float("nan")}) == 3e-3
+    study.main(["--regime", "tokens20", "--sweep", "--seeds", "0,1", "--dry-run", "--runs-dir", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert "279,104 parameters" in printed and "20.1" in printed and "32 runs (8 sweep + 24 arms)" in printed
+    assert printed.count("titan_async.cli train") == 32 and not any(tmp_path.iterdir())

@@ -36,6 +36,18 @@ ANALYSIS_HEADING = "## Analysis"
 MOE = ("model.family=qwen3_moe", "model.num_experts=8", "model.top_k=2", "model.moe_hidden_dim=128",
        "model.load_balance_coeff=0.001")
 """--moe: the qwen3 mixture-of-experts blocks (8 experts, top-2, expert biases moved at each step)."""
+CORRECTORS = ("", "sync_start", "predict")
+"""Delayed-arm correctors beside EF: none; Sync Start (the first SYNC_START_SHARE of the steps
+synchronous, `training.sync_start_steps`); weight prediction (`training.weight_prediction = 1`)."""
+CORRECTOR_NAMES = {"sync_start": "syncstart", "predict": "predict"}
+CORRECTOR_LABELS = {"sync_start": "Sync Start", "predict": "weight prediction"}
+SYNC_START_SHARE = 0.1
+PAPER = (
+    "- 360M dense, 20 tokens/param: one-step delay costs AdamW +0.278 and Muon +0.012 (23x); "
+    "EF recovers 50-90% of the gap",
+    "- 10B MoE, 200B tokens, Muon: sync 1.906, delay 1.911 (+0.005), delay + EF 1.906 (100% recovered)",
+)
+"""The paper's numbers as quoted in docs/results/staleness/README.md and docs/results.md."""
 
 
 @dataclass(frozen=True)
@@ -46,13 +58,17 @@ class Arm:
     delay: int
     ef: bool
     seed: int = 0
+    corrector: str = ""
 
     @property
     def name(self) -> str:
-        """Directory-safe name, e.g. `adamw-delay1-ef` or `muon-sync-seed1` (seed 0 unmarked)."""
+        """Directory-safe name, e.g. `adamw-delay1-ef`, `muon-delay1-predict` or `muon-sync-seed1`
+        (seed 0 unmarked)."""
         parts = [self.optimizer, f"delay{self.delay}" if self.delay else "sync"]
         if self.ef:
             parts.append("ef")
+        if self.corrector:
+            parts.append(CORRECTOR_NAMES[self.corrector])
         if self.seed:
             parts.append(f"seed{self.seed}")
         return "-".join(parts)
@@ -61,26 +77,46 @@ class Arm:
     def label(self) -> str:
         """Human-readable name without the seed, for tables and legends."""
         text = f"{OPTIMIZER_LABELS[self.optimizer]} {'delay 1' if self.delay else 'sync'}"
-        return text + (" + EF" if self.ef else "")
+        text += " + EF" if self.ef else ""
+        return text + (f" + {CORRECTOR_LABELS[self.corrector]}" if self.corrector else "")
 
-    def at(self, seed: int = 0, delay: int | None = None, ef: bool | None = None) -> Arm:
-        """The same optimizer with the given seed and, where given, delay and EF."""
-        return Arm(self.optimizer, self.delay if delay is None else delay, self.ef if ef is None else ef, seed)
+    def at(self, seed: int = 0, delay: int | None = None, ef: bool | None = None, corrector: str | None = None) -> Arm:
+        """The same optimizer with the given seed and, where given, delay, EF and corrector."""
+        return Arm(
+            self.optimizer, self.delay if delay is None else delay, self.ef if ef is None else ef, seed,
+            self.corrector if corrector is None else corrector,
+        )
 
-    def overrides(self) -> list[str]:
-        """The `--set` values that select this arm."""
-        return [
+    def overrides(self, steps: int = 0) -> list[str]:
+        """The `--set` values that select this arm (`steps`: the run's length, for Sync Start)."""
+        values = [
             f"optimizer.name={self.optimizer}",
             f"training.gradient_delay={self.delay}",
             f"optimizer.error_feedback.enabled={str(self.ef).lower()}",
             f"debug.seed={self.seed}",
         ]
+        if self.corrector == "sync_start":
+            values.append(f"training.sync_start_steps={sync_start_steps(steps)}")
+        elif self.corrector == "predict":
+            values.append("training.weight_prediction=1")
+        return values
 
 
-def study_arms(seeds: list[int], noise_seeds: list[int] = ()) -> list[Arm]:
+def sync_start_steps(steps: int) -> int:
+    """Synchronous steps of a Sync Start arm: SYNC_START_SHARE of `steps`, at least 1."""
+    return max(1, round(SYNC_START_SHARE * steps))
+
+
+def study_arms(seeds: list[int], noise_seeds: list[int] = (), correctors: bool = False) -> list[Arm]:
     """All 8 arms for each of `seeds`, interleaved (optimizers alternate, then delay, then EF),
-    then each optimizer's synchronous no-EF arm for each of `noise_seeds`; no duplicates."""
-    arms = [Arm(opt, delay, ef, seed) for seed in seeds for ef in (False, True) for delay in (0, 1) for opt in OPTIMIZERS]
+    with `correctors` also the delayed Sync Start and weight-prediction arms (no EF) after each
+    seed's 8, then each optimizer's synchronous no-EF arm for each of `noise_seeds`; no duplicates."""
+    extra = [c for c in CORRECTORS if c] if correctors else []
+    arms = [
+        arm for seed in seeds for arm in
+        [Arm(opt, delay, ef, seed) for ef in (False, True) for delay in (0, 1) for opt in OPTIMIZERS]
+        + [Arm(opt, 1, False, seed, c) for c in extra for opt in OPTIMIZERS]
+    ]
     arms += [Arm(opt, 0, False, seed) for seed in noise_seeds for opt in OPTIMIZERS]
     return list(dict.fromkeys(arms))
 
@@ -125,8 +161,8 @@ class Row:
     - `gaps`: minus that of the synchronous no-EF run of the same optimizer and seed;
     - `gaps_same_ef`: minus that of the synchronous run with the same EF setting and seed;
     - `wall_s`: wall seconds of the run, where known.
-    `ef_recovery` (delayed EF arms whose mean no-EF delay gap is positive) is the share of that
-    mean gap that EF removes, on the seeds both arms ran."""
+    `ef_recovery` (delayed arms with EF or a corrector, whose plain delay arm's mean gap is
+    positive) is the share of that mean gap that the EF or corrector removes, on the seeds both ran."""
 
     arm: Arm
     finals: dict[int, float]
@@ -143,6 +179,11 @@ class Row:
     def mean_gap_same_ef(self) -> float:
         return _mean(list(self.gaps_same_ef.values()))
 
+    @property
+    def gap_range(self) -> tuple[float, float] | None:
+        """(min, max) of the gap over seeds; None without a gap."""
+        return (min(self.gaps.values()), max(self.gaps.values())) if self.gaps else None
+
 
 def _gaps(curves: dict[Arm, Curves], arm: Arm, reference: Arm) -> dict[int, float]:
     """Seed -> final validation of `arm` minus `reference`'s (seed-0 keys) at that seed, for the
@@ -156,20 +197,21 @@ def _gaps(curves: dict[Arm, Curves], arm: Arm, reference: Arm) -> dict[int, floa
 
 
 def build_table(curves: dict[Arm, Curves], wall_s: dict[Arm, float] | None = None) -> list[Row]:
-    """One row per arm that ran at seed 0, AdamW rows first (sync, sync+EF, delay, delay+EF).
+    """One row per arm that ran at seed 0, AdamW rows first (sync, sync+EF, delay, delay+EF, then
+    the correctors).
     Raises KeyError if a seed-0 reference (synchronous no-EF) run is missing."""
     wall_s = wall_s or {}
-    keys = sorted((a for a in curves if a.seed == 0), key=lambda a: (OPTIMIZERS.index(a.optimizer), a.delay, a.ef))
+    keys = sorted((a for a in curves if a.seed == 0), key=lambda a: (OPTIMIZERS.index(a.optimizer), a.delay, CORRECTORS.index(a.corrector), a.ef))
     rows = []
     for arm in keys:
-        reference = arm.at(0, delay=0, ef=False)
+        reference = arm.at(0, delay=0, ef=False, corrector="")
         if reference not in curves:
             raise KeyError(f"{arm.name} has no reference run {reference.name}")
         seeds = sorted(a.seed for a in curves if a.at(0) == arm)
         gaps = _gaps(curves, arm, reference)
         recovery = None
-        if arm.delay and arm.ef:
-            plain_gaps = _gaps(curves, arm.at(0, ef=False), reference)
+        if arm.delay and (arm.ef or arm.corrector):
+            plain_gaps = _gaps(curves, arm.at(0, ef=False, corrector=""), reference)
             common = [s for s in gaps if s in plain_gaps]
             plain_mean = _mean([plain_gaps[s] for s in common])
             if plain_mean > 0:
@@ -178,7 +220,7 @@ def build_table(curves: dict[Arm, Curves], wall_s: dict[Arm, float] | None = Non
             arm,
             {s: curves[arm.at(s)].final_validation for s in seeds},
             gaps,
-            _gaps(curves, arm, arm.at(0, delay=0)),
+            _gaps(curves, arm, arm.at(0, delay=0, corrector="")),
             recovery,
             {s: wall_s[arm.at(s)] for s in seeds if arm.at(s) in wall_s},
         ))
@@ -258,7 +300,7 @@ def write_table_csv(rows: list[Row], path: Path) -> None:
 
 
 def _signed(value: float | None, digits: int = 5) -> str:
-    return "" if value is None else f"{value:+.{digits}f}"
+    return "" if value is None or math.isnan(value) else f"{value:+.{digits}f}"
 
 
 def write_curves_csv(curves: dict[Arm, Curves], path: Path) -> None:
@@ -272,18 +314,26 @@ def write_curves_csv(curves: dict[Arm, Curves], path: Path) -> None:
 
 
 def format_table(rows: list[Row]) -> str:
-    """The table as GitHub markdown: final loss and gap per seed, mean gaps, EF recovery."""
+    """The table as GitHub markdown: final loss and gap per seed, mean gap with its range over
+    seeds beside it, the gap against the same-EF sync run, and the share of the delay gap that EF
+    or a corrector recovers."""
     seeds = sorted({s for r in rows for s in r.finals})
     head = ["arm"] + [f"final val loss (seed {s})" for s in seeds] + [f"gap to sync (seed {s})" for s in seeds]
-    head += ["mean gap to sync", "mean gap to sync, same EF", "EF recovers"]
+    head += ["mean gap to sync", "gap range over seeds", "mean gap to sync, same EF", "recovers of delay gap"]
     lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
     for r in rows:
         cells = [r.arm.label]
         cells += [f"{r.finals[s]:.4f}" if s in r.finals else "" for s in seeds]
         cells += [_signed(r.gaps.get(s), 4) for s in seeds]
-        cells += [_signed(r.mean_gap, 4), _signed(r.mean_gap_same_ef, 4), "" if r.ef_recovery is None else f"{100 * r.ef_recovery:.0f}%"]
+        cells += [_signed(r.mean_gap, 4), format_range(r.gap_range), _signed(r.mean_gap_same_ef, 4)]
+        cells.append("" if r.ef_recovery is None else f"{100 * r.ef_recovery:.0f}%")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def format_range(bounds: tuple[float, float] | None) -> str:
+    """`min..max` of a gap over seeds (signed, 4 decimals); empty if unknown."""
+    return "" if bounds is None else f"{_signed(bounds[0], 4)}..{_signed(bounds[1], 4)}"
 
 
 def format_tuning(path: Path) -> str:
@@ -304,20 +354,21 @@ def plot_curves(curves: dict[Arm, Curves], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {(0, False): "C0", (0, True): "C2", (1, False): "C3", (1, True): "C1"}
+    colors = {(0, False, ""): "C0", (0, True, ""): "C2", (1, False, ""): "C3", (1, True, ""): "C1",
+              (1, False, "sync_start"): "C4", (1, False, "predict"): "C5"}
     fig, axes = plt.subplots(2, len(OPTIMIZERS), figsize=(12, 8), sharex=True, sharey="row", squeeze=False)
     for row, kind in enumerate(("validation", "train")):
         ys = []
         for col, opt in enumerate(OPTIMIZERS):
             ax = axes[row][col]
-            for arm, c in sorted(curves.items(), key=lambda item: (item[0].seed, item[0].delay, item[0].ef)):
+            for arm, c in sorted(curves.items(), key=lambda item: (item[0].seed, item[0].delay, item[0].ef, CORRECTORS.index(item[0].corrector))):
                 points = c.validation if kind == "validation" else c.train
                 if arm.optimizer != opt or not points:
                     continue
                 steps = [s for s, _ in points]
                 losses = [v for _, v in points] if kind == "validation" else smooth([v for _, v in points])
                 style = dict(lw=1.8, ls="-", label=arm.label) if arm.seed == 0 else dict(lw=0.9, ls=":", label=f"{arm.label} (seed {arm.seed})")
-                ax.plot(steps, losses, color=colors[(arm.delay, arm.ef)], marker="o" if kind == "validation" else None, ms=3, **style)
+                ax.plot(steps, losses, color=colors[(arm.delay, arm.ef, arm.corrector)], marker="o" if kind == "validation" else None, ms=3, **style)
                 ys += [v for s, v in zip(steps, losses) if s >= 0.2 * steps[-1]]
             ax.set_title(f"{OPTIMIZER_LABELS[opt]}: {'validation' if kind == 'validation' else 'training (EMA 0.9)'} loss")
             ax.grid(alpha=0.3)
@@ -349,10 +400,14 @@ class Settings:
     validation_steps: int
     warmup_steps: int
     moe: bool = False
+    vocab_size: int = 0
+    multiple_of: int = 0
 
     def overrides(self) -> list[str]:
-        """The `--set` values common to all arms."""
-        return [*(MOE if self.moe else ()),
+        """The `--set` values common to all arms (vocab and FFN rounding only where set)."""
+        sizes = [f"data.vocab_size={self.vocab_size}"] if self.vocab_size else []
+        sizes += [f"model.multiple_of={self.multiple_of}"] if self.multiple_of else []
+        return [*(MOE if self.moe else ()), *sizes,
             f"training.steps={self.steps}",
             f"training.seq_len={self.seq_len}",
             f"training.local_batch_size={self.batch}",
@@ -375,7 +430,73 @@ class Settings:
 
 def job(arm: Arm, settings: Settings, run_dir: Path) -> Job:
     """The training run of one arm."""
-    return Job(run_dir.name, run_dir, "debug_cpu", settings.overrides() + settings.optimizer_overrides(arm.optimizer) + arm.overrides())
+    return Job(run_dir.name, run_dir, "debug_cpu", settings.overrides() + settings.optimizer_overrides(arm.optimizer) + arm.overrides(settings.steps))
+
+
+def dense_parameters(dim: int, n_layers: int, vocab: int, multiple_of: int) -> int:
+    """Total parameters of the llama3 model (untied embedding and head, no GQA): embedding and
+    head 2 x vocab x dim, per block the attention (4 dim^2), the SwiGLU (3 dim x hidden, hidden =
+    8 dim / 3 rounded up to `multiple_of`) and two norms, plus the final norm."""
+    hidden = multiple_of * math.ceil(int(8 * dim / 3) / multiple_of)
+    return 2 * vocab * dim + n_layers * (4 * dim * dim + 3 * dim * hidden + 2 * dim) + dim
+
+
+@dataclass(frozen=True)
+class Regime:
+    """A model and a token budget of `tokens_per_param` x its total parameter count (embedding and
+    head included, as in the 20-tokens-per-parameter rule; at this size they are a quarter of the
+    model, so a non-embedding count would undercount what is trained). `tps`: tokens/s of one run
+    measured on the 2 shared cores (see CALIBRATION), for the wall-time estimate."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    vocab_size: int
+    multiple_of: int
+    seq_len: int
+    batch: int
+    tokens_per_param: float
+    tps: float
+    warmup_share: float = 0.05
+    evaluations: int = 10
+
+    @property
+    def parameters(self) -> int:
+        return dense_parameters(self.dim, self.n_layers, self.vocab_size, self.multiple_of)
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps that reach tokens_per_param x parameters, rounded up to a multiple of
+        `evaluations` (so that the last step validates)."""
+        raw = self.tokens_per_param * self.parameters / (self.seq_len * self.batch)
+        return self.evaluations * math.ceil(raw / self.evaluations)
+
+    @property
+    def tokens(self) -> int:
+        return self.steps * self.seq_len * self.batch
+
+    def settings(self, adamw_lr: float, muon_lr: float, muon_adamw_lr: float, moe: bool = False) -> Settings:
+        """Study settings: validation `evaluations` times (32 batches), warm-up `warmup_share`."""
+        return Settings(
+            self.steps, adamw_lr, muon_lr, muon_adamw_lr, self.dim, self.n_layers, self.n_heads, self.seq_len,
+            self.batch, self.steps // self.evaluations, 32, max(1, round(self.warmup_share * self.steps)), moe,
+            self.vocab_size, self.multiple_of,
+        )
+
+
+CALIBRATION = """Calibration (30-step runs, `debug_cpu`, seq 256 x batch 16, one run at a time on the 2 cores
+while other work held the 1-minute load average at 3-7):
+- dim 64, 4 layers, vocab 2048: 475,712 parameters; 700-1,900 tokens/s under load, 5,000-16,500
+  tokens/s in the steps where the cores were free;
+- dim 64, 2 layers, vocab 2048, seq 128 x batch 32: 2,000-2,400 tokens/s under load, 6,100 free;
+- dim 64, 4 layers, vocab 512 (`tokens20`): 279,104 parameters; about 1,350 tokens/s under load.
+The estimate uses 10,000 tokens/s (free cores); under load expect 5-8 times longer."""
+
+REGIMES = {"tokens20": Regime(64, 4, 4, 512, 64, 256, 16, 20.0, 10_000.0)}
+"""--regime: `tokens20` trains 20 tokens per parameter (the paper's budget) on a 279K-parameter llama."""
+SWEEP = {"adamw": (1.5e-3, 3e-3, 6e-3, 1.2e-2), "muon": (5e-3, 1e-2, 2e-2, 4e-2)}
+"""--sweep: factor-2 lr grids, synchronous no-EF runs at the full budget; the best lr is used for
+every arm of that optimizer (Muon's AdamW groups take AdamW's best)."""
 
 
 def finished(run_dir: Path, steps: int) -> bool:
@@ -425,9 +546,10 @@ def collect(arms: list[Arm], runs_dir: Path) -> dict[Arm, Curves]:
     return found
 
 
-def report(arms: list[Arm], runs_dir: Path, out: Path, wall_s: dict[Arm, float], how: list[str], model: str = "") -> None:
+def report(arms: list[Arm], runs_dir: Path, out: Path, wall_s: dict[Arm, float], how: list[str], model: str = "", paper: bool = False) -> None:
     """Build the table, checks, CSVs, PNG, configs and README.md in `out` from the runs in
-    `runs_dir`; `how` lists the invocations (markdown lines) that trained them."""
+    `runs_dir`; `how` lists the invocations (markdown lines) that trained them; `paper` adds the
+    paper's numbers (PAPER) as a section."""
     curves = collect(arms, runs_dir)
     rows = build_table(curves, wall_s)
     noise = measure_noise(rows)
@@ -440,6 +562,8 @@ def report(arms: list[Arm], runs_dir: Path, out: Path, wall_s: dict[Arm, float],
     write_curves_csv(curves, out / "curves.csv")
     plot_curves(curves, out / "curves.png")
     sections = {"Noise": noise_section(noise)}
+    if paper:
+        sections["The paper's numbers, for comparison"] = "\n".join(PAPER)
     if how:
         sections["How it was run"] = "\n".join(how + ["- resolved config of every run: configs/<arm>.toml; curves: curves.csv, curves.png; per-run table: table.csv"])
     if (out / "tuning.csv").is_file():
@@ -451,7 +575,10 @@ def report(arms: list[Arm], runs_dir: Path, out: Path, wall_s: dict[Arm, float],
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    """Study settings from the command line; --quick replaces the model and budget by tiny ones."""
+    """Study settings from the command line; --quick replaces the model and budget by tiny ones,
+    --regime by the preset's."""
+    if args.regime:
+        return REGIMES[args.regime].settings(args.adamw_lr, args.muon_lr, args.muon_adamw_lr, args.moe)
     if args.quick:
         return Settings(6, args.adamw_lr, args.muon_lr, args.muon_adamw_lr, 64, 2, 4, 64, 2, 3, 2, 1, args.moe)
     return Settings(
@@ -498,6 +625,66 @@ def tune(args: argparse.Namespace, settings: Settings) -> None:
             print(f"{arm.optimizer} lr {lr:g}: final validation loss {loss:.4f}")
 
 
+def sweep_jobs(settings: Settings, runs_dir: Path, optimizer: str) -> list[tuple[Arm, Settings, Path]]:
+    """The synchronous no-EF runs of `optimizer` at each lr of its SWEEP grid."""
+    field_name = "adamw_lr" if optimizer == "adamw" else "muon_lr"
+    return [(Arm(optimizer, 0, False), replace(settings, **{field_name: lr}), runs_dir / "tune" / f"{optimizer}-lr{lr:g}")
+            for lr in SWEEP[optimizer]]
+
+
+def best_lr(losses: dict[float, float]) -> float:
+    """The lr of the lowest final validation loss (NaN losses never win)."""
+    return min(losses, key=lambda lr: (math.isnan(losses[lr]), losses[lr]))
+
+
+def sweep(args: argparse.Namespace, settings: Settings) -> Settings:
+    """--sweep: AdamW's grid, then Muon's with its AdamW groups at AdamW's best lr (runs already
+    finished in --runs-dir/tune are kept); writes `out`/tuning.csv and returns `settings` with the
+    best lrs."""
+    rows = []
+    for optimizer in OPTIMIZERS:
+        jobs = sweep_jobs(settings, args.runs_dir, optimizer)
+        run_jobs([job(*j) for j in jobs if not finished(j[2], settings.steps)], args.parallel)
+        losses = {}
+        for _, job_settings, run_dir in jobs:
+            lr = job_settings.adamw_lr if optimizer == "adamw" else job_settings.muon_lr
+            losses[lr] = load_curves(run_dir / "metrics.jsonl").final_validation
+            rows.append([optimizer, f"{lr:g}", "" if optimizer == "adamw" else f"{settings.muon_adamw_lr:g}", f"{losses[lr]:.5f}"])
+        lr = best_lr(losses)
+        settings = replace(settings, adamw_lr=lr, muon_adamw_lr=lr) if optimizer == "adamw" else replace(settings, muon_lr=lr)
+        print(f"{optimizer}: best lr {lr:g}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = shlex.join([".venv/bin/python", "tools/staleness_study.py", *args.argv])
+    with open(args.out / "tuning.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["optimizer", "lr", "muon_adamw_lr", "final_validation_loss", "command"])
+        writer.writerows(row + [command] for row in rows)
+    return settings
+
+
+def dry_run(args: argparse.Namespace, settings: Settings, arms: list[Arm], regime: Regime | None) -> str:
+    """What a run of this invocation would do, without training: the model, tokens per arm, every
+    command and (with a regime) the estimated wall time per arm and in total."""
+    lines = []
+    runs = [job(a, settings, args.runs_dir / a.name) for a in arms]
+    if args.sweep:
+        runs = [job(*j) for opt in OPTIMIZERS for j in sweep_jobs(settings, args.runs_dir, opt)] + runs
+    tokens = settings.steps * settings.seq_len * settings.batch
+    if regime is not None:
+        lines.append(f"model: dim {regime.dim}, {regime.n_layers} layers, {regime.n_heads} heads, vocab {regime.vocab_size}, "
+                     f"FFN multiple_of {regime.multiple_of}: {regime.parameters:,} parameters (total, embedding and head included)"
+                     + ("; --moe trains the MoE blocks on the same token budget" if settings.moe else ""))
+    lines.append(f"per arm: {settings.steps} steps x {settings.seq_len} x {settings.batch} = {tokens:,} tokens")
+    if regime is not None:
+        lines.append(f"  = {tokens / regime.parameters:.2f} tokens per parameter")
+        minutes = tokens / regime.tps / 60
+        lines.append(f"estimate at {regime.tps:,.0f} tokens/s (free cores): {minutes:.1f} min per arm, "
+                     f"{len(runs)} runs ({len(runs) - len(arms)} sweep + {len(arms)} arms): {len(runs) * minutes / 60:.1f} h in all "
+                     "(runs share the cores, so the total does not shrink with --parallel)")
+    lines += ["commands:"] + [f"  {shlex.join(j.command())}" for j in runs]
+    return "\n".join(lines)
+
+
 def _numbers(kind: type) -> Callable[[str], list]:
     """argparse type: comma-separated values of `kind`."""
 
@@ -531,8 +718,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--report-only", action="store_true", help="rebuild --out from the runs in --runs-dir, training nothing")
     p.add_argument("--tune-adamw", type=_numbers(float), default=[], metavar="LR,LR,..", help="tune: synchronous AdamW runs at these lrs")
     p.add_argument("--tune-muon", type=_numbers(float), default=[], metavar="LR,LR,..", help="tune: synchronous Muon runs at these lrs")
+    p.add_argument("--regime", choices=sorted(REGIMES), help="a preset model and token budget (REGIMES); adds the Sync Start and weight-prediction arms")
+    p.add_argument("--sweep", action="store_true", help="with --regime: first the SWEEP lr grids on the synchronous arm, then the arms at the best lrs")
+    p.add_argument("--dry-run", action="store_true", help="print the model, tokens, commands and time estimate; train nothing")
     args = p.parse_args(argv)
-    suffix = ("-moe" if args.moe else "") + ("-quick" if args.quick else "")
+    if args.sweep and not args.regime:
+        p.error("--sweep needs --regime")
+    suffix = (f"-{args.regime}" if args.regime else "") + ("-moe" if args.moe else "") + ("-quick" if args.quick else "")
     args.runs_dir = args.runs_dir or ROOT / "runs" / f"staleness{suffix}"
     args.out = args.out or (args.runs_dir / "results" if args.quick else ROOT / "docs" / "results" / f"staleness{suffix.replace('-', '_')}")
     args.argv = sys.argv[1:] if argv is None else argv
@@ -545,7 +737,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.tune_adamw or args.tune_muon:
         tune(args, settings)
         return
-    arms = study_arms(args.seeds, args.noise_seeds)
+    arms = study_arms(args.seeds, args.noise_seeds, correctors=bool(args.regime))
+    if args.dry_run:
+        print(dry_run(args, settings, arms, REGIMES.get(args.regime)))
+        return
+    if args.sweep and not args.report_only:
+        settings = sweep(args, settings)
     record_file = args.runs_dir / "study.json"
     record = json.loads(record_file.read_text()) if record_file.is_file() else {"wall_s": {}, "how": []}
     if not args.report_only:
@@ -554,7 +751,8 @@ def main(argv: list[str] | None = None) -> None:
         record = {"wall_s": {**record["wall_s"], **walls}, "how": record["how"] + how}
         record_file.write_text(json.dumps(record, indent=1))
     wall_s = {a: record["wall_s"][a.name] for a in arms if a.name in record["wall_s"]}
-    report(arms, args.runs_dir, args.out, wall_s, record["how"], " (mixture of experts, qwen3 blocks)" if args.moe else "")
+    model = (" (mixture of experts, qwen3 blocks)" if args.moe else "") + (f", {args.regime}" if args.regime else "")
+    report(arms, args.runs_dir, args.out, wall_s, record["how"], model, paper=bool(args.regime))
 
 
 if __name__ == "__main__":
