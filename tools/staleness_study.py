@@ -11,6 +11,13 @@ PNG), the resolved config of every run, the commands and the git revision into -
     .venv/bin/python tools/staleness_study.py [--steps N] [--seeds 0,1] [--out DIR] [--quick]
     .venv/bin/python tools/staleness_study.py --report-only --seeds 0,1   # rebuild --out only
     .venv/bin/python tools/staleness_study.py --moe        # the same arms on a mixture-of-experts model
+
+The paper's regime, 20 tokens per parameter (REGIMES, CALIBRATION): a 279K-parameter llama, the lr
+swept per optimizer on the synchronous arm, then 12 arms per seed (the 8 above plus Sync Start and
+weight prediction for each optimizer); --dry-run prints the commands and the time estimate first:
+
+    .venv/bin/python tools/staleness_study.py --regime tokens20 --sweep --seeds 0,1 --skip-done [--dry-run]
+    .venv/bin/python tools/staleness_study.py --regime tokens20 --sweep --seeds 0,1 --skip-done --moe
 """
 
 from __future__ import annotations
@@ -676,7 +683,7 @@ def dry_run(args: argparse.Namespace, settings: Settings, arms: list[Arm], regim
                      + ("; --moe trains the MoE blocks on the same token budget" if settings.moe else ""))
     lines.append(f"per arm: {settings.steps} steps x {settings.seq_len} x {settings.batch} = {tokens:,} tokens")
     if regime is not None:
-        lines.append(f"  = {tokens / regime.parameters:.2f} tokens per parameter")
+        lines.append(f"  = {tokens / regime.parameters:.2f} tokens per parameter" + (" of the dense model" if settings.moe else ""))
         minutes = tokens / regime.tps / 60
         lines.append(f"estimate at {regime.tps:,.0f} tokens/s (free cores): {minutes:.1f} min per arm, "
                      f"{len(runs)} runs ({len(runs) - len(arms)} sweep + {len(arms)} arms): {len(runs) * minutes / 60:.1f} h in all "
