@@ -74,3 +74,16 @@ def test_balance_evens_out_a_split_that_gives_the_head_a_stage_of_blocks(capsys)
 def test_balance_needs_simulate(capsys):
     code, _, err = cli_in_process(capsys, "plan", "--config", CONFIG, *CLUSTER, "--balance")
     assert code == 2 and err.strip().endswith("--balance: applies only with --simulate")
+
+
+def test_balance_keeps_the_configured_split_where_it_simulates_faster():
+    from titan_async.commands.plan.render import balance_advice
+
+    split = [["tok_embeddings", "layers.0"], ["layers.1", "norm", "lm_head"]]
+    schedules = [{"name": "1F1B", "configured": 100.0, "balanced": 110.0, "gain": 1.1, "selected": False},
+                 {"name": "PipeDream2BW", "configured": 100.0, "balanced": 96.9, "gain": 0.969, "selected": True}]
+    advice = balance_advice({"module_fqns_per_model_part": split, "schedules": schedules})
+    assert advice.startswith("keep the configured split for PipeDream2BW (this config's schedule)") and "0.969x" in advice
+    assert advice.endswith('module_fqns_per_model_part = [["tok_embeddings", "layers.0"], ["layers.1", "norm", "lm_head"]]')
+    schedules[1]["gain"] = 1.02
+    assert balance_advice({"module_fqns_per_model_part": split, "schedules": schedules}).startswith("module_fqns_per_model_part = ")
