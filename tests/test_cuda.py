@@ -21,11 +21,13 @@ from torchtitan.models.common.attention import FlexAttention
 from conftest import CONFIGS, REPO, fresh_environment, losses, metrics, sets
 from test_attention import reference_mask
 from test_fsdp_schedules import train as train_layout
-from test_moe import MOE, ONE_PROCESS, expert_biases
+from test_moe import MOE, expert_biases
 from test_muon import muon_update
 from test_schedules import EXACT, STEPS, assert_close_weights, assert_same_run, final_weights, train
 from titan_async.model.llama import ModelSection, build_model_spec
 from titan_async.optim.newton_schulz_batched import orthogonalize_batched
+
+ONE_PROCESS = ("--config", str(CONFIGS / "debug_cpu.toml"), "--nproc-per-node", "1")
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (FlexAttention backward, float8, NCCL)")
 FLOAT8 = pytest.mark.skipif(
