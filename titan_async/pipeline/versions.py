@@ -560,7 +560,9 @@ class PredictedAccumulation(LocalAccumulation):
         self.before: list[torch.Tensor] | None = None
         """W_prev: the weights before the last local step (None until the first)."""
         self.live: list[torch.Tensor] | None = None
-        """The live weights while a forward runs at the prediction."""
+        """A copy of the live weights W, restored after each forward at the prediction."""
+        self.live_current = False
+        """Whether `live` holds W (it is taken again after a local step or a load)."""
         self.predicting = False
 
     @torch.no_grad()
@@ -570,8 +572,11 @@ class PredictedAccumulation(LocalAccumulation):
             return
         if self.live is None:
             self.live = [p.data.clone() for p in self.params]
-        for param, live, before in zip(self.params, self.live, self.before):
-            live.copy_(param.data)
+        elif not self.live_current:
+            for live, param in zip(self.live, self.params):
+                live.copy_(param.data)
+        self.live_current = True
+        for param, before in zip(self.params, self.before):
             param.data.mul_(1 + self.horizon).sub_(before, alpha=self.horizon)
         self.predicting = True
 
@@ -582,9 +587,6 @@ class PredictedAccumulation(LocalAccumulation):
                 param.data.copy_(live)
             self.predicting = False
 
-    def before_backward(self, microbatch: int) -> None:
-        pass
-
     def apply_update(self, batch: int, optimizer_step: Callable[[], None]) -> None:
         if self.before is None:
             self.before = [p.data.clone() for p in self.params]
@@ -592,6 +594,7 @@ class PredictedAccumulation(LocalAccumulation):
             for saved, param in zip(self.before, self.params):
                 saved.copy_(param.data)
         super().apply_update(batch, optimizer_step)
+        self.live_current = False
 
     def extra_bytes(self) -> int:
         """W_prev and the copy of the live weights."""
@@ -613,6 +616,7 @@ class PredictedAccumulation(LocalAccumulation):
     def load_state_dict(self, state: dict[str, torch.Tensor], names: list[str], step: int) -> None:
         super().load_state_dict(state, names, step)
         self.before = [state[f"before.{name}"].clone() for name in names] if self.updates else None
+        self.live_current = False
 
 
 def two_versions(module: torch.nn.Module, microbatches: int, stage: FsdpStage | None = None, sync_start: int = 0,
