@@ -101,69 +101,51 @@ def test_2bw_with_muon_and_error_feedback_equals_the_independent_reference(tmp_p
     assert_different(differences(run, weights, ref.two_bw(settings, batches, whole_qkv=True), update_of_step))
 
 
-def test_2bw_lagged_global_clipping_and_its_resume_equal_the_independent_reference(tmp_path):
-    """`training.clipping = "lagged_global"` with max_norm = 0.1 (the global norm is about 0.3, so
-    every update from step 4 on is scaled, on both stages alike): the run stops at the step-3
-    checkpoint and is resumed, so the lagged norms must come back from the checkpoint. Controls:
-    the per-stage clipping, and the norm of one step later than the run may know."""
-    lagged = ("parallelism.pipeline_parallel_schedule=PipeDream2BW", "training.clipping=lagged_global",
-              f"lr_scheduler.total_steps={STEPS}")
-    run = pipelined(tmp_path / "run", *lagged, "training.steps=3")
+def resumed_at_step_3(run_dir: Path, *assignments: str) -> Path:
+    """A pipelined run stopped at its step-3 checkpoint and resumed to STEPS (one lr schedule)."""
+    run = pipelined(run_dir, *assignments, f"lr_scheduler.total_steps={STEPS}", "training.steps=3")
     run_cli("resume", "--run-dir", str(run), *sets(f"training.steps={STEPS}"), env={"TITAN_ASYNC_BATCH_LOG": str(run / "batches")})
+    return run
+
+
+def test_2bw_lagged_clipping_and_weight_prediction_and_their_resume_equal_the_independent_reference(tmp_path):
+    """`training.clipping = "lagged_global"` with max_norm = 0.1 (the global norm is about 0.3, so
+    every update from step 4 on is scaled, on both stages alike) and `training.weight_prediction
+    = 1` (each delayed gradient taken at W[k-1] + (W[k-1] - W[k-2]), three weight copies per
+    stage), in one run stopped at the step-3 checkpoint and resumed: the lagged norms and the
+    predicted versions must come back from it. Controls: per-stage clipping, the norm of one step
+    later than the run may know, no prediction, and horizon 2."""
+    run = resumed_at_step_3(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PipeDream2BW",
+                            "training.clipping=lagged_global", "training.weight_prediction=1")
     settings, batches, weights = reference_inputs(run)
     update_of_step = lambda step: step
-    assert_equal(differences(run, weights, ref.two_bw(settings, batches, lagged_clip=3), update_of_step))
-    per_stage = differences(run, weights, ref.two_bw(settings, batches), update_of_step)
+    assert_equal(differences(run, weights, ref.two_bw(settings, batches, lagged_clip=3, prediction=1.0), update_of_step))
+    per_stage = differences(run, weights, ref.two_bw(settings, batches, prediction=1.0), update_of_step)
     print("control:", per_stage)  # AdamW hardly sees a gradient's scale: the losses of steps 4-6 move by ~1e-4
     assert per_stage["loss"] > 3e-5 and per_stage["grad_norm"] > 1e-4 and per_stage["weights"] > 1e-2, per_stage
-    assert_different(differences(run, weights, ref.two_bw(settings, batches, lagged_clip=2), update_of_step))
+    assert_different(differences(run, weights, ref.two_bw(settings, batches, lagged_clip=2, prediction=1.0), update_of_step))
+    assert_different(differences(run, weights, ref.two_bw(settings, batches, lagged_clip=3), update_of_step))
+    assert_different(differences(run, weights, ref.two_bw(settings, batches, lagged_clip=3, prediction=2.0), update_of_step))
 
 
-def test_paci_lagged_global_clipping_equals_the_independent_reference(tmp_path):
-    """PACI (a = 3 of m = 8) under lagged global clipping: an update is scaled by the norm logged
-    three steps before the step that fed its last microbatch (stage 0's updates cross batches).
-    Controls: per-stage clipping, and a lag of 2."""
+def test_paci_lagged_clipping_and_weight_prediction_and_their_resume_equal_the_independent_reference(tmp_path):
+    """PACI (a = 3 of m = 8) under lagged global clipping (an update is scaled by the norm logged
+    three steps before the step that fed its last microbatch; stage 0's updates cross batches)
+    and `training.weight_prediction = 2` (stage 0, whose microbatches cross 1/3 of its local
+    steps on average, runs each forward at W + (2 / 3) (W - W_prev)), stopped at the step-3
+    checkpoint (W_prev and the norms saved) and resumed. Controls: per-stage clipping, a lag of
+    2, no prediction, and the prediction applied in the backward too (a stash of the predicted
+    weights)."""
     a, m = 3, 8
-    run = pipelined(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PACI", f"parallelism.paci.accumulation={a}",
-                    "training.clipping=lagged_global")
+    run = resumed_at_step_3(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PACI", f"parallelism.paci.accumulation={a}",
+                            "training.clipping=lagged_global", "training.weight_prediction=2")
     settings, batches, weights = reference_inputs(run)
     drains = ref.drain_steps(run)
     update_of_step = lambda step: step * m // a
-    assert_equal(differences(run, weights, ref.paci(settings, batches, drains, lagged_clip=3), update_of_step))
-    assert_different(differences(run, weights, ref.paci(settings, batches, drains), update_of_step))
-    assert_different(differences(run, weights, ref.paci(settings, batches, drains, lagged_clip=2), update_of_step))
-
-
-def test_2bw_weight_prediction_and_its_resume_equal_the_independent_reference(tmp_path):
-    """`training.weight_prediction = 1`: each delayed gradient is taken at W[k-1] + (W[k-1] - W[k-2])
-    (three weight copies per stage); the run stops at the step-3 checkpoint and is resumed, so
-    the predicted versions must come back from it. Controls: no prediction, and horizon 2."""
-    run = pipelined(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PipeDream2BW", "training.weight_prediction=1",
-                    f"lr_scheduler.total_steps={STEPS}", "training.steps=3")
-    run_cli("resume", "--run-dir", str(run), *sets(f"training.steps={STEPS}"), env={"TITAN_ASYNC_BATCH_LOG": str(run / "batches")})
-    settings, batches, weights = reference_inputs(run)
-    update_of_step = lambda step: step
-    assert_equal(differences(run, weights, ref.two_bw(settings, batches, prediction=1.0), update_of_step))
-    assert_different(differences(run, weights, ref.two_bw(settings, batches), update_of_step))
-    assert_different(differences(run, weights, ref.two_bw(settings, batches, prediction=2.0), update_of_step))
-
-
-def test_paci_weight_prediction_and_its_resume_equal_the_independent_reference(tmp_path):
-    """PACI (a = 3 of m = 8) with `training.weight_prediction = 2`: stage 0, whose microbatches
-    cross 1/3 of its local steps on average, runs each forward at W + (2 / 3) (W - W_prev); the
-    run stops at the step-3 checkpoint (W_prev saved) and is resumed. Controls: no prediction,
-    and the prediction applied in the backward too (a stash of the predicted weights)."""
-    a, m = 3, 8
-    run = pipelined(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PACI", f"parallelism.paci.accumulation={a}",
-                    "training.weight_prediction=2", f"lr_scheduler.total_steps={STEPS}", "training.steps=3")
-    run_cli("resume", "--run-dir", str(run), *sets(f"training.steps={STEPS}"), env={"TITAN_ASYNC_BATCH_LOG": str(run / "batches")})
-    settings, batches, weights = reference_inputs(run)
-    drains = ref.drain_steps(run)
-    update_of_step = lambda step: step * m // a
-    assert_equal(differences(run, weights, ref.paci(settings, batches, drains, prediction=2.0), update_of_step))
-    assert_different(differences(run, weights, ref.paci(settings, batches, drains), update_of_step))
-    assert_different(differences(run, weights, ref.paci(settings, batches, drains, prediction=2.0, backward_weights="forward"),
-                                 update_of_step))
+    both = {"lagged_clip": 3, "prediction": 2.0}
+    assert_equal(differences(run, weights, ref.paci(settings, batches, drains, **both), update_of_step))
+    for control in ({"prediction": 2.0}, {**both, "lagged_clip": 2}, {"lagged_clip": 3}, {**both, "backward_weights": "forward"}):
+        assert_different(differences(run, weights, ref.paci(settings, batches, drains, **control), update_of_step))
 
 
 def test_the_independent_reference_imports_nothing_from_titan_async():
