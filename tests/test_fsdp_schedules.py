@@ -44,6 +44,8 @@ def assert_same_step_metrics(reference, run) -> None:
 
 
 def test_paci_with_fsdp_equals_its_emulation_with_fsdp(tmp_path):
+    """Also: with every stage in one process (FSDP 2, emulated stages) rank 0 alone writes, as
+    "stage 0", the scalars summed over its stages."""
     paci = ("parallelism.pipeline_parallel_schedule=PACI", "parallelism.paci.accumulation=2")
     emulated = train(tmp_path / "emulated", *paci, "parallelism.emulated_stages=2",
                      layout=("--config", str(CONFIGS / "debug_cpu_fsdp2.toml"), "--nproc-per-node", "2"))
@@ -51,6 +53,9 @@ def test_paci_with_fsdp_equals_its_emulation_with_fsdp(tmp_path):
     assert_same_run(emulated, pipelined)
     assert_close_weights(final_weights(pipelined), final_weights(emulated))
     nccl_model.assert_nccl_safe(pipelined / "comm", stages=2, ranks_per_stage=2)
+    assert sorted(p.name for p in (emulated / "pipeline").iterdir()) == ["stage0.jsonl"]
+    rows = stage_records(emulated)[0]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and {r["rank"] for r in rows} == {0}
 
 
 @pytest.mark.parametrize("schedule", ["PipeDream2BW", "PACI"])
