@@ -202,3 +202,12 @@ def test_best_lr_and_dry_run(tmp_path: Path, capsys):
     printed = capsys.readouterr().out
     assert "279,104 parameters" in printed and "20.1" in printed and "32 runs (8 sweep + 24 arms)" in printed
     assert printed.count("titan_async.cli train") == 32 and not any(tmp_path.iterdir())
+
+
+def test_a_run_named_by_its_lr_keeps_its_own_console_log(tmp_path: Path):
+    """A run named "adamw-lr0.003" logs to adamw-lr0.003.log, not to an "adamw-lr0.log" that its
+    sweep's other lrs would overwrite; its failure names that log."""
+    from titan_async.experiments.jobs import Job, run_job
+    with pytest.raises(RuntimeError, match="adamw-lr0.003.log"):
+        run_job(Job("adamw-lr0.003", tmp_path / "adamw-lr0.003", config=str(tmp_path / "missing.toml"), settings=[]))
+    assert [p.name for p in tmp_path.glob("*.log")] == ["adamw-lr0.003.log"]

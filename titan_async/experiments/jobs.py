@@ -51,7 +51,7 @@ def run_job(job: Job, sharing: int = 1, budget_s: float | None = None) -> float:
     if job.run_dir.exists():
         shutil.rmtree(job.run_dir)
     job.run_dir.mkdir(parents=True)
-    log_file = job.run_dir.with_suffix(".log")
+    log_file = job.run_dir.with_name(f"{job.run_dir.name}.log")  # not with_suffix: "lr0.003" has a "suffix"
     env = {**os.environ, "LOCAL_WORLD_SIZE": str(sharing)}
     start = time.perf_counter()
     with open(log_file, "w") as log:
