@@ -1,7 +1,7 @@
 """Streaming schedules with data-parallel replicas inside each stage (DDP), and with gradient
 accumulation.
 
-PACI and PipeDream2BW with DDP replicas, 2BW with HSDP (replicas x FSDP) and Muon, and both
+PACI and PipeDream2BW with DDP replicas and with HSDP (replicas x FSDP) and Muon, and both
 with accumulation are checked against the independent reference in test_independent_reference.py. Accumulated local batches form one batch of
 the stream, so accumulating two equals one pass of twice the local batch.
 """
