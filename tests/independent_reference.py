@@ -25,8 +25,9 @@ checks). What it takes from elsewhere:
   the experts' SwiGLU written out per expert in float32;
 - the optimizer: torch.optim.AdamW (fused, as configured), with torchtitan's warm-up/stable/decay
   learning-rate factor transcribed, and each stage's gradient clipped on its own when it steps;
-- the stage boundaries: hard-coded for 2 stages of 4 layers, as torchtitan splits them
-  (stage 0: tok_embeddings, layers.0-1; stage 1: layers.2-3, norm, lm_head).
+- the stage boundaries: 2 stages of 4 layers, as torchtitan splits them (stage 0:
+  tok_embeddings, layers.0-1; stage 1: layers.2-3, norm, lm_head), or the run's own
+  `parallelism.module_fqns_per_model_part`.
 
 Run under pytest, the process has also run the package's `platform.configure()` (conftest.py:
 it makes torchtitan pick the CPU and gloo; it changes no model or optimizer arithmetic).
@@ -118,6 +119,8 @@ class Settings:
     """The expert-parallel degree: 1, or every data rank (the data ranks' tokens meet in the experts)."""
     expert_precision: str = "bfloat16"
     """torchtitan's bfloat16 experts, or "full": the experts multiply in float32 (`Float32Experts`)."""
+    stages: tuple[tuple[str, ...], ...] = STAGES
+    """Each stage's modules, in order (the run's `module_fqns_per_model_part`, else `STAGES`)."""
 
     @property
     def microbatches(self) -> int:
@@ -131,7 +134,9 @@ def read_settings(run_dir: Path, vocab_size: int) -> Settings:
     m, t, p, o, s = c["model"], c["training"], c["parallelism"], c["optimizer"], c["lr_scheduler"]
     assert m["family"] in ("llama3", "qwen3_moe") and m["preset"] == "debugmodel" and m["n_kv_heads"] in (0, m["n_heads"])
     assert m["multiple_of"] == -1 and m["ffn_dim_multiplier"] == -1.0 and m["float8"] == "none"
-    assert m["n_layers"] == 4 and p["pipeline_parallel_degree"] == 2, "the stage split is hard-coded for 2 stages of 4 layers"
+    assert m["n_layers"] == 4 and p["pipeline_parallel_degree"] == 2, "2 stages of a 4-layer model"
+    stages = tuple(tuple(modules) for modules in p.get("module_fqns_per_model_part") or ()) or STAGES
+    assert len(stages) == 2 and sorted(n for modules in stages for n in modules) == sorted(n for modules in STAGES for n in modules)
     data_ranks = p["data_parallel_shard_degree"] * p["data_parallel_replicate_degree"]
     assert data_ranks >= 1, "the resolved config names the degrees"
     tensor_ranks = p.get("tensor_parallel_degree", 1)
@@ -160,6 +165,7 @@ def read_settings(run_dir: Path, vocab_size: int) -> Settings:
         family=m["family"], num_experts=m.get("num_experts", 0), top_k=m.get("top_k", 0), moe_hidden_dim=m.get("moe_hidden_dim", 0),
         load_balance_coeff=m.get("load_balance_coeff", 0.0), data_ranks=data_ranks, local_batches=local_batches,
         tensor_ranks=tensor_ranks, expert_ranks=expert_ranks, expert_precision=m.get("expert_precision", "bfloat16"),
+        stages=stages,
     )
 
 
@@ -307,15 +313,15 @@ def weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: t.detach().clone() for name, t in model.state_dict().items() if name not in buffers}
 
 
-def stage_of(name: str) -> int:
-    return next(s for s, modules in enumerate(STAGES) for m in modules if name == m or name.startswith(m + "."))
+def stage_of(name: str, stages: tuple[tuple[str, ...], ...]) -> int:
+    return next(s for s, modules in enumerate(stages) for m in modules if name == m or name.startswith(m + "."))
 
 
-def stage_params(model: nn.Module) -> list[list[tuple[str, nn.Parameter]]]:
+def stage_params(model: nn.Module, stages: tuple[tuple[str, ...], ...]) -> list[list[tuple[str, nn.Parameter]]]:
     """Each stage's (name, parameter) pairs."""
-    params: list[list[tuple[str, nn.Parameter]]] = [[] for _ in STAGES]
+    params: list[list[tuple[str, nn.Parameter]]] = [[] for _ in stages]
     for name, param in model.named_parameters():
-        params[stage_of(name)].append((name, param))
+        params[stage_of(name, stages)].append((name, param))
     return params
 
 
@@ -338,7 +344,7 @@ def data_rank_ranks(settings: Settings, data_rank: int) -> list[int]:
     dimensions pp, dp_replicate, dp_shard, tp (outermost first), so stage s, data rank d, TP rank
     t is rank (s D + d) T + t."""
     dp, tp = settings.data_ranks, settings.tensor_ranks
-    return [(stage * dp + data_rank) * tp + t for stage in range(len(STAGES)) for t in range(tp)]
+    return [(stage * dp + data_rank) * tp + t for stage in range(len(settings.stages)) for t in range(tp)]
 
 
 def read_batches(batch_log: Path, settings: Settings, data_ranks: list[int] | None = None) -> list[list[Microbatch]]:
@@ -347,7 +353,7 @@ def read_batches(batch_log: Path, settings: Settings, data_ranks: list[int] | No
     next data rank's. `data_ranks` (a control) takes only those data ranks' local batches."""
     dp, size, n = settings.data_ranks, settings.microbatch_size, settings.steps
     b = settings.local_batch_size * settings.local_batches
-    assert len(list(Path(batch_log).glob("rank*.jsonl"))) == len(STAGES) * dp * settings.tensor_ranks, "every rank's log"
+    assert len(list(Path(batch_log).glob("rank*.jsonl"))) == len(settings.stages) * dp * settings.tensor_ranks, "every rank's log"
     logs = []
     for d in range(dp) if data_ranks is None else data_ranks:
         first, *others = data_rank_ranks(settings, d)
@@ -590,7 +596,7 @@ def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "
     older = copy.deepcopy(model)  # holds W[k-2]
     predicted = copy.deepcopy(model)
     head_dim = settings.dim // settings.n_heads
-    optimizers = [StageOptimizer(named, settings, head_dim, **optimizer_options) for named in stage_params(model)]
+    optimizers = [StageOptimizer(named, settings, head_dim, **optimizer_options) for named in stage_params(model, settings.stages)]
     if lagged_clip:
         LaggedGlobalClip(settings, optimizers, lambda update: update, lambda row: row, lagged_clip)
     moe = settings.family == "qwen3_moe"
@@ -643,21 +649,17 @@ def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "
 # --- PACI -------------------------------------------------------------------------------------------
 
 class Stage(nn.Module):
-    """The modules of one stage of the 2-stage split, run in sequence."""
+    """The modules of one stage (`Settings.stages`), run in sequence."""
 
-    def __init__(self, model: nn.Module, index: int) -> None:
+    def __init__(self, model: nn.Module, modules: tuple[str, ...]) -> None:
         super().__init__()
-        self.model, self.index = model, index
+        self.model, self.modules_in_order = model, modules
 
     def forward(self, x, positions):
         mask = document_mask(positions)
-        m = self.model
-        if self.index == 0:
-            x = m.tok_embeddings(x)
-        for name in ("0", "1") if self.index == 0 else ("2", "3"):
-            x = m.layers[name](x, mask, positions)
-        if self.index == 1:
-            x = m.lm_head(m.norm(x))
+        for name in self.modules_in_order:
+            module = self.model.get_submodule(name)
+            x = module(x, mask, positions) if name.startswith("layers.") else module(x)
         return x
 
 
@@ -723,15 +725,16 @@ def paci(settings: Settings, batches: list[list[Microbatch]], drains: set[int], 
     a, m = settings.accumulation or settings.microbatches, settings.microbatches
     drains = drains | set(range(1, sync_start + 1))
     model = build_model(settings)
-    stages = [Stage(model, 0), Stage(model, 1)]
-    optimizers = [StageOptimizer(named, settings, settings.dim // settings.n_heads) for named in stage_params(model)]
+    stages = [Stage(model, modules) for modules in settings.stages]
+    optimizers = [StageOptimizer(named, settings, settings.dim // settings.n_heads) for named in stage_params(model, settings.stages)]
     if lagged_clip:
         LaggedGlobalClip(settings, optimizers, lambda update: (update * a - 1) // m + 1, lambda row: row * m // a, lagged_clip)
     mixed = ForwardTimeValues(model)
     counts, updates = [0, 0], [0, 0]
-    names = [name for name, _ in model.named_parameters() if stage_of(name) == 0]
+    names = [name for name, _ in model.named_parameters() if stage_of(name, settings.stages) == 0]
     before: dict[str, torch.Tensor] = {}  # stage 0's weights before its last step
-    blocks = [moe_blocks(model)[:2], moe_blocks(model)[2:]] if settings.family == "qwen3_moe" else [[], []]
+    blocks = [[model.get_submodule(name).moe for name in modules if name.startswith("layers.")] if settings.family == "qwen3_moe" else []
+              for modules in settings.stages]
     routed: list[list[torch.Tensor]] = [[], []]  # per stage: the counts of the backwards since its last step
 
     def stage_counts(stage: int) -> torch.Tensor:
@@ -743,7 +746,7 @@ def paci(settings: Settings, batches: list[list[Microbatch]], drains: set[int], 
 
     def step(stage: int, lr_step: int) -> None:
         if stage == 0:
-            before.update({n: p.detach().clone() for n, p in model.named_parameters() if stage_of(n) == 0})
+            before.update({n: p.detach().clone() for n, p in model.named_parameters() if stage_of(n, settings.stages) == 0})
         if blocks[stage]:
             with torch.no_grad():
                 for block, row in zip(blocks[stage], sum(routed[stage]).float()):
@@ -802,7 +805,7 @@ def paci(settings: Settings, batches: list[list[Microbatch]], drains: set[int], 
     for t, batch in enumerate(batches):
         n, total = valid_tokens(batch), 0.0
         for mb in batch:
-            then = {name: p.detach().clone() for name, p in model.named_parameters() if stage_of(name) == 0}
+            then = {name: p.detach().clone() for name, p in model.named_parameters() if stage_of(name, settings.stages) == 0}
             if prediction and updates[0]:
                 then = {name: w + prediction / a * (w - before[name]) for name, w in then.items()}
             live = dict(model.named_parameters())
