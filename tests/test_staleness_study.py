@@ -166,6 +166,19 @@ def test_tokens20_regime_trains_20_tokens_per_parameter():
     assert {"data.vocab_size=512", "model.multiple_of=64", f"training.steps={regime.steps}"} <= set(settings.overrides())
 
 
+def test_the_moe_regime_trains_20_tokens_per_parameter_of_every_expert():
+    """The trainer's counts (its optimizer table: Muon + AdamW rows) for 8 experts of hidden size
+    48 and 96: 360,448 + 68,288 and 655,360 + 68,288."""
+    assert study.moe_parameters(64, 4, 4, 512, 8, 48) == 428_736
+    assert study.moe_parameters(64, 4, 4, 512, 8, 96) == 723_648
+    dense = study.REGIMES["tokens20"]
+    moe = study.regime_of(study.parse_args(["--regime", "tokens20", "--moe"]))
+    assert moe.parameters == 428_736 and moe.steps > dense.steps
+    assert 20 * moe.parameters <= moe.tokens < 20 * moe.parameters + moe.seq_len * moe.batch * moe.evaluations
+    overrides = moe.settings(1e-3, 1e-2, 1e-3).overrides()
+    assert {"model.family=qwen3_moe", "model.moe_hidden_dim=48", f"training.steps={moe.steps}"} <= set(overrides)
+
+
 def test_corrector_arms_and_their_overrides():
     arms = study.study_arms([0, 1], correctors=True)
     assert len(arms) == 24 and len({a.name for a in arms}) == 24

@@ -40,9 +40,10 @@ from titan_async.rundir.record import TRAIN_LOSS, VALIDATION_LOSS
 OPTIMIZERS = ("adamw", "muon")
 OPTIMIZER_LABELS = {"adamw": "AdamW", "muon": "Muon"}
 ANALYSIS_HEADING = "## Analysis"
-MOE = ("model.family=qwen3_moe", "model.num_experts=8", "model.top_k=2", "model.moe_hidden_dim=128",
-       "model.load_balance_coeff=0.001")
-"""--moe: the qwen3 mixture-of-experts blocks (8 experts, top-2, expert biases moved at each step)."""
+EXPERTS = 8
+MOE = ("model.family=qwen3_moe", f"model.num_experts={EXPERTS}", "model.top_k=2", "model.load_balance_coeff=0.001")
+"""--moe: the qwen3 mixture-of-experts blocks (8 experts, top-2, expert biases moved at each step);
+each expert's hidden size is `Settings.moe_hidden_dim`."""
 CORRECTORS = ("", "sync_start", "predict")
 """Delayed-arm correctors beside EF: none; Sync Start (the first SYNC_START_SHARE of the steps
 synchronous, `training.sync_start_steps`); weight prediction (`training.weight_prediction = 1`)."""
@@ -409,12 +410,14 @@ class Settings:
     moe: bool = False
     vocab_size: int = 0
     multiple_of: int = 0
+    moe_hidden_dim: int = 128
 
     def overrides(self) -> list[str]:
         """The `--set` values common to all arms (vocab and FFN rounding only where set)."""
         sizes = [f"data.vocab_size={self.vocab_size}"] if self.vocab_size else []
         sizes += [f"model.multiple_of={self.multiple_of}"] if self.multiple_of else []
-        return [*(MOE if self.moe else ()), *sizes,
+        moe = [*MOE, f"model.moe_hidden_dim={self.moe_hidden_dim}"] if self.moe else []
+        return [*moe, *sizes,
             f"training.steps={self.steps}",
             f"training.seq_len={self.seq_len}",
             f"training.local_batch_size={self.batch}",
@@ -448,11 +451,18 @@ def dense_parameters(dim: int, n_layers: int, vocab: int, multiple_of: int) -> i
     return 2 * vocab * dim + n_layers * (4 * dim * dim + 3 * dim * hidden + 2 * dim) + dim
 
 
+def moe_parameters(dim: int, n_layers: int, n_heads: int, vocab: int, experts: int, hidden: int) -> int:
+    """Total parameters of the qwen3 MoE model (every expert counted): embedding and head
+    2 x vocab x dim, per block the attention (4 dim^2 and the q/k norms, a head each), the
+    router (experts x dim), the experts (3 dim x hidden each) and two norms, plus the final norm."""
+    return 2 * vocab * dim + n_layers * (4 * dim * dim + 2 * dim // n_heads + experts * dim * (1 + 3 * hidden) + 2 * dim) + dim
+
+
 @dataclass(frozen=True)
 class Regime:
     """A model and a token budget of `tokens_per_param` x its total parameter count (embedding and
     head included, as in the 20-tokens-per-parameter rule; at this size they are a quarter of the
-    model, so a non-embedding count would undercount what is trained). `tps`: tokens/s of one run
+    model, so a non-embedding count would undercount what is trained). `tps`: tokens/s of one run of two sharing
     measured on the 2 shared cores (see CALIBRATION), for the wall-time estimate."""
 
     dim: int
@@ -466,9 +476,16 @@ class Regime:
     tps: float
     warmup_share: float = 0.05
     evaluations: int = 10
+    moe: bool = False
+    """The MoE blocks (MOE) in place of the dense ones, trained on tokens_per_param x their own
+    (larger) total parameter count."""
+    moe_hidden_dim: int = 48
+    """Each expert's hidden size: the 2 routed experts hold half the dense SwiGLU's hidden size."""
 
     @property
     def parameters(self) -> int:
+        if self.moe:
+            return moe_parameters(self.dim, self.n_layers, self.n_heads, self.vocab_size, EXPERTS, self.moe_hidden_dim)
         return dense_parameters(self.dim, self.n_layers, self.vocab_size, self.multiple_of)
 
     @property
@@ -482,12 +499,12 @@ class Regime:
     def tokens(self) -> int:
         return self.steps * self.seq_len * self.batch
 
-    def settings(self, adamw_lr: float, muon_lr: float, muon_adamw_lr: float, moe: bool = False) -> Settings:
+    def settings(self, adamw_lr: float, muon_lr: float, muon_adamw_lr: float) -> Settings:
         """Study settings: validation `evaluations` times (32 batches), warm-up `warmup_share`."""
         return Settings(
             self.steps, adamw_lr, muon_lr, muon_adamw_lr, self.dim, self.n_layers, self.n_heads, self.seq_len,
-            self.batch, self.steps // self.evaluations, 32, max(1, round(self.warmup_share * self.steps)), moe,
-            self.vocab_size, self.multiple_of,
+            self.batch, self.steps // self.evaluations, 32, max(1, round(self.warmup_share * self.steps)), self.moe,
+            self.vocab_size, self.multiple_of, self.moe_hidden_dim,
         )
 
 
@@ -496,10 +513,13 @@ while other work held the 1-minute load average at 3-7):
 - dim 64, 4 layers, vocab 2048: 475,712 parameters; 700-1,900 tokens/s under load, 5,000-16,500
   tokens/s in the steps where the cores were free;
 - dim 64, 2 layers, vocab 2048, seq 128 x batch 32: 2,000-2,400 tokens/s under load, 6,100 free;
-- dim 64, 4 layers, vocab 512 (`tokens20`): 279,104 parameters; about 1,350 tokens/s under load.
-The estimate uses 10,000 tokens/s (free cores); under load expect 5-8 times longer."""
+- dim 64, 4 layers, vocab 512 (`tokens20`): 279,104 parameters; about 1,350 tokens/s under load;
+  on free cores (60-step runs, Muon + EF, delay 1) 26,100 tokens/s alone and 18,200 each with two
+  at once (`--parallel 2`, one thread each): 1.4 times the throughput of one run at a time.
+The estimate uses 18,000 tokens/s per run, two at a time (the MoE blocks are not calibrated);
+under load expect several times longer."""
 
-REGIMES = {"tokens20": Regime(64, 4, 4, 512, 64, 256, 16, 20.0, 10_000.0)}
+REGIMES = {"tokens20": Regime(64, 4, 4, 512, 64, 256, 16, 20.0, 18_000.0)}
 """--regime: `tokens20` trains 20 tokens per parameter (the paper's budget) on a 279K-parameter llama."""
 SWEEP = {"adamw": (1.5e-3, 3e-3, 6e-3, 1.2e-2), "muon": (5e-3, 1e-2, 2e-2, 4e-2)}
 """--sweep: factor-2 lr grids, synchronous no-EF runs at the full budget; the best lr is used for
@@ -581,11 +601,16 @@ def report(arms: list[Arm], runs_dir: Path, out: Path, wall_s: dict[Arm, float],
         print(f"{c.text}: mean margin {c.mean:+.4f} ({'holds' if c.holds else 'does not hold clearly'}, threshold {c.threshold:.4f})")
 
 
+def regime_of(args: argparse.Namespace) -> Regime | None:
+    """--regime's preset, with the MoE blocks under --moe."""
+    return replace(REGIMES[args.regime], moe=args.moe) if args.regime else None
+
+
 def settings_from(args: argparse.Namespace) -> Settings:
     """Study settings from the command line; --quick replaces the model and budget by tiny ones,
     --regime by the preset's."""
     if args.regime:
-        return REGIMES[args.regime].settings(args.adamw_lr, args.muon_lr, args.muon_adamw_lr, args.moe)
+        return regime_of(args).settings(args.adamw_lr, args.muon_lr, args.muon_adamw_lr)
     if args.quick:
         return Settings(6, args.adamw_lr, args.muon_lr, args.muon_adamw_lr, 64, 2, 4, 64, 2, 3, 2, 1, args.moe)
     return Settings(
@@ -679,15 +704,14 @@ def dry_run(args: argparse.Namespace, settings: Settings, arms: list[Arm], regim
     tokens = settings.steps * settings.seq_len * settings.batch
     if regime is not None:
         lines.append(f"model: dim {regime.dim}, {regime.n_layers} layers, {regime.n_heads} heads, vocab {regime.vocab_size}, "
-                     f"FFN multiple_of {regime.multiple_of}: {regime.parameters:,} parameters (total, embedding and head included)"
-                     + ("; --moe trains the MoE blocks on the same token budget" if settings.moe else ""))
+                     + (f"{EXPERTS} experts of hidden size {regime.moe_hidden_dim}, top-2" if regime.moe else f"FFN multiple_of {regime.multiple_of}")
+                     + f": {regime.parameters:,} parameters (total, every expert, embedding and head included)")
     lines.append(f"per arm: {settings.steps} steps x {settings.seq_len} x {settings.batch} = {tokens:,} tokens")
     if regime is not None:
-        lines.append(f"  = {tokens / regime.parameters:.2f} tokens per parameter" + (" of the dense model" if settings.moe else ""))
+        lines.append(f"  = {tokens / regime.parameters:.2f} tokens per parameter")
         minutes = tokens / regime.tps / 60
-        lines.append(f"estimate at {regime.tps:,.0f} tokens/s (free cores): {minutes:.1f} min per arm, "
-                     f"{len(runs)} runs ({len(runs) - len(arms)} sweep + {len(arms)} arms): {len(runs) * minutes / 60:.1f} h in all "
-                     "(runs share the cores, so the total does not shrink with --parallel)")
+        lines.append(f"estimate at {regime.tps:,.0f} tokens/s per run, two at a time on free cores: {minutes:.1f} min per arm, "
+                     f"{len(runs)} runs ({len(runs) - len(arms)} sweep + {len(arms)} arms): {len(runs) * minutes / 2 / 60:.1f} h in all")
     lines += ["commands:"] + [f"  {shlex.join(j.command())}" for j in runs]
     return "\n".join(lines)
 
@@ -746,7 +770,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     arms = study_arms(args.seeds, args.noise_seeds, correctors=bool(args.regime))
     if args.dry_run:
-        print(dry_run(args, settings, arms, REGIMES.get(args.regime)))
+        print(dry_run(args, settings, arms, regime_of(args)))
         return
     if args.sweep and not args.report_only:
         settings = sweep(args, settings)
