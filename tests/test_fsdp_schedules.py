@@ -1,4 +1,10 @@
-"""Streaming schedules with FSDP2 inside each stage (PP=2 x FSDP=2 on 4 processes)."""
+"""Streaming schedules with FSDP2 inside each stage (PP=2 x FSDP=2 on 4 processes).
+
+Both schedules under FSDP equal the independent reference (independent_reference.py) in
+test_independent_reference.py. The comparisons here are with titan-async's own references,
+`training.gradient_delay = 1` on FSDP 2 and the single-process-per-data-rank emulation, for what
+they add: torchtitan's step metrics over the data ranks, the device-time replay of the 2BW run,
+and the emulation itself (a user-facing mode); also resume, W&B and the bytes FSDP moves."""
 
 from __future__ import annotations
 

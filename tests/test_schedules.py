@@ -1,4 +1,9 @@
-"""PipeDream2BW and PACI: action order, exactness against the single-process references, resume."""
+"""PipeDream2BW and PACI: action order, exactness against the single-process references, resume.
+
+The single-process references here are titan-async's own (`training.gradient_delay = 1`, the
+emulated stages): they cover 4 stages, staleness metrics, traces and transport, which the
+independent reference (independent_reference.py, 2 stages, test_independent_reference.py) does
+not."""
 
 from __future__ import annotations
 
