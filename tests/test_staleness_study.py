@@ -209,6 +209,15 @@ def test_corrector_rows_recover_a_share_of_the_delay_gap_with_its_spread(tmp_pat
     assert "| +0.1300 | +0.1100..+0.1500 | +0.1300 | 55% |" in line
 
 
+def test_a_sweep_grows_past_an_end_that_wins_until_the_best_is_bracketed():
+    base = (1e-3, 2e-3, 4e-3)
+    assert study.grown(base, {1e-3: 4.3, 2e-3: 4.2, 4e-3: 4.25}, base) is None
+    assert study.grown(base, {1e-3: 4.3, 2e-3: 4.2, 4e-3: 4.1}, base) == (1e-3, 2e-3, 4e-3, 8e-3)
+    assert study.grown(base, {1e-3: 4.1, 2e-3: 4.2, 4e-3: float("nan")}, base) == (5e-4, 1e-3, 2e-3, 4e-3)
+    longest = (*base, 8e-3, 1.6e-2)
+    assert study.grown(longest, dict(zip(longest, (5, 4, 3, 2, 1))), base) is None  # EXTENSIONS reached
+
+
 def test_best_lr_and_dry_run(tmp_path: Path, capsys):
     assert study.best_lr({1e-3: 4.2, 3e-3: 4.1, 6e-3: float("nan")}) == 3e-3
     study.main(["--regime", "tokens20", "--sweep", "--seeds", "0,1", "--dry-run", "--runs-dir", str(tmp_path)])

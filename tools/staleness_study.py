@@ -523,7 +523,10 @@ REGIMES = {"tokens20": Regime(64, 4, 4, 512, 64, 256, 16, 20.0, 18_000.0)}
 """--regime: `tokens20` trains 20 tokens per parameter (the paper's budget) on a 279K-parameter llama."""
 SWEEP = {"adamw": (1.5e-3, 3e-3, 6e-3, 1.2e-2), "muon": (5e-3, 1e-2, 2e-2, 4e-2)}
 """--sweep: factor-2 lr grids, synchronous no-EF runs at the full budget; the best lr is used for
-every arm of that optimizer (Muon's AdamW groups take AdamW's best)."""
+every arm of that optimizer (Muon's AdamW groups take AdamW's best). A grid whose best lr is at
+an end grows by a factor 2 beyond it (`grown`), at most EXTENSIONS times, so that the best is
+bracketed."""
+EXTENSIONS = 2
 
 
 def finished(run_dir: Path, steps: int) -> bool:
@@ -657,11 +660,24 @@ def tune(args: argparse.Namespace, settings: Settings) -> None:
             print(f"{arm.optimizer} lr {lr:g}: final validation loss {loss:.4f}")
 
 
-def sweep_jobs(settings: Settings, runs_dir: Path, optimizer: str) -> list[tuple[Arm, Settings, Path]]:
-    """The synchronous no-EF runs of `optimizer` at each lr of its SWEEP grid."""
+def sweep_jobs(settings: Settings, runs_dir: Path, optimizer: str, grid: tuple[float, ...] | None = None) -> list[tuple[Arm, Settings, Path]]:
+    """The synchronous no-EF runs of `optimizer` at each lr of `grid` (default: its SWEEP grid)."""
     field_name = "adamw_lr" if optimizer == "adamw" else "muon_lr"
     return [(Arm(optimizer, 0, False), replace(settings, **{field_name: lr}), runs_dir / "tune" / f"{optimizer}-lr{lr:g}")
-            for lr in SWEEP[optimizer]]
+            for lr in grid or SWEEP[optimizer]]
+
+
+def grown(grid: tuple[float, ...], losses: dict[float, float], base: tuple[float, ...]) -> tuple[float, ...] | None:
+    """`grid` with one more lr, a factor 2 beyond its end, when the best lr is that end and the
+    grid has grown fewer than EXTENSIONS times beyond `base`; else None (the best is bracketed)."""
+    if len(grid) >= len(base) + EXTENSIONS:
+        return None
+    best = best_lr(losses)
+    if best == max(grid):
+        return (*grid, 2 * best)
+    if best == min(grid):
+        return (best / 2, *grid)
+    return None
 
 
 def best_lr(losses: dict[float, float]) -> float:
@@ -670,18 +686,22 @@ def best_lr(losses: dict[float, float]) -> float:
 
 
 def sweep(args: argparse.Namespace, settings: Settings) -> Settings:
-    """--sweep: AdamW's grid, then Muon's with its AdamW groups at AdamW's best lr (runs already
-    finished in --runs-dir/tune are kept); writes `out`/tuning.csv and returns `settings` with the
-    best lrs."""
+    """--sweep: AdamW's grid, then Muon's with its AdamW groups at AdamW's best lr, each grown
+    until its best lr is bracketed (`grown`; runs already finished in --runs-dir/tune are kept);
+    writes `out`/tuning.csv and returns `settings` with the best lrs."""
     rows = []
     for optimizer in OPTIMIZERS:
-        jobs = sweep_jobs(settings, args.runs_dir, optimizer)
-        run_jobs([job(*j) for j in jobs if not finished(j[2], settings.steps)], args.parallel)
-        losses = {}
-        for _, job_settings, run_dir in jobs:
-            lr = job_settings.adamw_lr if optimizer == "adamw" else job_settings.muon_lr
-            losses[lr] = load_curves(run_dir / "metrics.jsonl").final_validation
-            rows.append([optimizer, f"{lr:g}", "" if optimizer == "adamw" else f"{settings.muon_adamw_lr:g}", f"{losses[lr]:.5f}"])
+        grid: tuple[float, ...] | None = SWEEP[optimizer]
+        while grid:
+            jobs = sweep_jobs(settings, args.runs_dir, optimizer, grid)
+            run_jobs([job(*j) for j in jobs if not finished(j[2], settings.steps)], args.parallel)
+            losses = {}
+            for _, job_settings, run_dir in jobs:
+                lr = job_settings.adamw_lr if optimizer == "adamw" else job_settings.muon_lr
+                losses[lr] = load_curves(run_dir / "metrics.jsonl").final_validation
+            grid = grown(grid, losses, SWEEP[optimizer])
+        rows += [[optimizer, f"{lr:g}", "" if optimizer == "adamw" else f"{settings.muon_adamw_lr:g}", f"{loss:.5f}"]
+                 for lr, loss in losses.items()]
         lr = best_lr(losses)
         settings = replace(settings, adamw_lr=lr, muon_adamw_lr=lr) if optimizer == "adamw" else replace(settings, muon_lr=lr)
         print(f"{optimizer}: best lr {lr:g}")
