@@ -9,12 +9,13 @@
   P_t = U_t + h (U_t - U_{t-1}).
 - `PredictedAccumulation` (PACI with weight prediction; plain and FSDP2 parameters): forwards
   run at the weights extrapolated along the stage's last local step by its mean delay.
-
-Under FSDP2 the policies keep and predict each rank's own shards: the extrapolation is
-elementwise, so the gathered prediction is the prediction of the gathered weights.
 - `LocalAccumulation` (PACI): no stash; after every `a` local backwards the stage steps its
   optimizer in place, so a microbatch may see newer weights in its backward than in its forward
   (see its docstring for what activation checkpointing changes).
+
+Under FSDP2 (and torchtitan's replicas, FSDP2 over a replicate mesh) the policies keep and
+predict each rank's own shards: the extrapolation is elementwise, so the gathered prediction is
+the prediction of the gathered weights.
 
 Sync Start (`sync_start` = N > 0, `training.sync_start_steps`): batches 0..N-1 are synchronous,
 W[k+1] = W[k] - Opt(grad f_k(W[k])): one in-place update per batch with the whole batch's
@@ -458,9 +459,8 @@ class ShardedPredictedVersions(ShardedTwoVersions):
     in the parameters' own storage and P_{b+2} = U_{b+2} + h (U_{b+2} - U_{b+1}) in the side
     shard of P_b. Between steps (`expose_latest`) the parameters hold their own storage, the
     latest U, and the units are resharded, so that validation gathers it and checkpoints save
-    it. Two weight copies (shards) like `PredictedVersions`' two beyond the live weights. Before
-    the first update every version is the live weights: the side shards are copied from them
-    when first needed."""
+    it. Two side shards: one weight copy more than `ShardedTwoVersions`. Before the first update
+    every version is the live weights: the side shards are copied from them when first needed."""
 
     LATEST = "latest"
 
