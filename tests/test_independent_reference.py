@@ -11,10 +11,13 @@ stream mid-run. PipeDream2BW and PACI also accumulate two local batches per step
 reference trains on them as one batch). PipeDream2BW also runs on PP 2 x FSDP 2, on PP 2 x
 2 DDP replicas (4 processes) and, with Muon, on PP 2 x 2 replicas x FSDP 2 (8 processes), the
 reference joining every data rank's batches, and with torchtitan's Qwen3 MoE (expert biases
-and their load balancing); PACI on the same data-parallel layouts and MoE. test_tensor_parallel.py and test_moe.py compare PP 2 x TP 2 and
-PP 2 x EP 2 runs with the reference through this module's `pipelined` and `differences`.
-Both schedules also run under `training.clipping = "lagged_global"`, PACI on PP 2 x FSDP 2,
-2BW, dense and MoE, with validation at every step (which must not reach training), and a
+and their load balancing); PACI on the same data-parallel layouts and MoE.
+test_tensor_parallel.py and test_moe.py compare the PP 2 x TP 2, PP 2 x FSDP 2 x TP 2,
+MoE x FSDP and PP 2 x EP 2 runs with the reference through this module's `pipelined` and
+`differences`. Both schedules also run with weight prediction on PP 2 x FSDP 2 and on PP 2 x 2
+replicas (2BW's replicas with the MoE), across a resume; under `training.clipping =
+"lagged_global"`; PACI on PP 2 x FSDP 2, 2BW, dense and MoE, with validation at every step
+(which must not reach training), and a
 non-finite gradient on one rank of a two-rank stage under FSDP, replicas and EP (`found_inf`)."""
 
 from __future__ import annotations
@@ -101,9 +104,9 @@ def test_2bw_with_muon_and_error_feedback_equals_the_independent_reference(tmp_p
     assert_different(differences(run, weights, ref.two_bw(settings, batches, whole_qkv=True), update_of_step))
 
 
-def resumed_at_step_3(run_dir: Path, *assignments: str) -> Path:
+def resumed_at_step_3(run_dir: Path, *assignments: str, config: str = "debug_cpu_pp2.toml", nproc: int = 2) -> Path:
     """A pipelined run stopped at its step-3 checkpoint and resumed to STEPS (one lr schedule)."""
-    run = pipelined(run_dir, *assignments, f"lr_scheduler.total_steps={STEPS}", "training.steps=3")
+    run = pipelined(run_dir, *assignments, f"lr_scheduler.total_steps={STEPS}", "training.steps=3", config=config, nproc=nproc)
     run_cli("resume", "--run-dir", str(run), *sets(f"training.steps={STEPS}"), env={"TITAN_ASYNC_BATCH_LOG": str(run / "batches")})
     return run
 
@@ -313,23 +316,64 @@ def test_paci_muon_with_hsdp_equals_the_independent_reference(tmp_path):
     nccl_model.assert_nccl_safe(run / "comm", stages=2, ranks_per_stage=4)
 
 
+def test_2bw_weight_prediction_with_fsdp_and_its_resume_equal_the_independent_reference(tmp_path):
+    """PP 2 x FSDP 2, PipeDream2BW with `training.weight_prediction = 1`: each rank predicts its
+    own shards (the latest weights in the parameters' shards, the two predictions in side
+    shards), stopped at the step-3 checkpoint and resumed. Controls: no prediction, and horizon
+    2. Gradient norms at 1e-4, as under FSDP above (measured: losses 9.6e-8, weights 2.3e-7,
+    norms 1.4e-5)."""
+    run = resumed_at_step_3(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PipeDream2BW", "training.weight_prediction=1",
+                            config="debug_cpu_pp2_fsdp2.toml", nproc=4)
+    settings, batches, weights = reference_inputs(run)
+    assert settings.data_ranks == 2 and len(batches[0]) == 2 * settings.microbatches
+    update_of_step = lambda step: step
+    assert_equal_with_resharded_norms(differences(run, weights, ref.two_bw(settings, batches, prediction=1.0), update_of_step))
+    assert_different(differences(run, weights, ref.two_bw(settings, batches), update_of_step))
+    assert_different(differences(run, weights, ref.two_bw(settings, batches, prediction=2.0), update_of_step))
+
+
+def test_2bw_moe_weight_prediction_on_replicas_equals_the_independent_reference(tmp_path):
+    """PP 2 x 2 DDP replicas (FSDP2 over a replicate mesh: the same predicted shards as FSDP),
+    PipeDream2BW with `training.weight_prediction = 1` on the MoE (experts in float32, so that
+    the predictions' float32 rounding is not amplified by bfloat16 experts): the expert biases,
+    plain tensors beside the shards, are predicted as plain parameters are. The checkpoint at
+    step 3 must leave the predicted biases alone: the latest biases live in another tensor than
+    the one the model state held at the start (the model state is taken live, `LiveModelState`).
+    Controls: no prediction, and the biases moved by the next batch's counts (measured: losses
+    4.0e-8, weights 2.4e-7, norms 2.9e-7; 1.2 on the biases when the checkpoint overwrote them)."""
+    run = pipelined(tmp_path / "run", *MOE, "model.expert_precision=full", "parallelism.pipeline_parallel_schedule=PipeDream2BW",
+                    "training.weight_prediction=1", *DATA_RANKS["replicas"], config="debug_cpu_pp2_fsdp2.toml", nproc=4)
+    settings, batches, weights = reference_inputs(run)
+    assert settings.family == "qwen3_moe" and settings.data_ranks == 2
+    update_of_step = lambda step: step
+    assert_equal(differences(run, weights, ref.two_bw(settings, batches, prediction=1.0), update_of_step))
+    assert_different(differences(run, weights, ref.two_bw(settings, batches), update_of_step))
+    assert_different(differences(run, weights, ref.two_bw(settings, batches, prediction=1.0, bias_counts="next"), update_of_step))
+
+
 @pytest.mark.parametrize("layout", DATA_RANKS)
 def test_paci_with_data_ranks_equals_the_independent_reference(tmp_path, layout):
     """PP 2 x FSDP 2 or x 2 DDP replicas, PACI (a = 3 of m = 8 per data rank): a local step
     reduces the stage's gradients over both data ranks, so the reference's microbatch i is both
-    data ranks' i-th microbatch side by side (`side_by_side`). Gradient norms at 1e-4, as under
-    FSDP above. Controls: one backward late, and data rank 0's batches alone."""
+    data ranks' i-th microbatch side by side (`side_by_side`). With `training.weight_prediction =
+    2` (stage 0's forwards at W + (2 / 3) (W - W_prev), each rank predicting its own shards),
+    stopped at the step-3 checkpoint (W_prev saved) and resumed. Gradient norms at 1e-4, as
+    under FSDP above (measured: losses 4.7e-8 and 6.5e-8, weights 6.7e-7 and 6.4e-7, norms 1.1e-5
+    and 9.6e-8). Controls: one backward late, data rank 0's batches alone, no prediction, and the
+    prediction applied in the backward too."""
     a, m = 3, 8
-    run = pipelined(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PACI", f"parallelism.paci.accumulation={a}",
-                    *DATA_RANKS[layout], config="debug_cpu_pp2_fsdp2.toml", nproc=4)
+    run = resumed_at_step_3(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PACI", f"parallelism.paci.accumulation={a}",
+                            "training.weight_prediction=2", *DATA_RANKS[layout], config="debug_cpu_pp2_fsdp2.toml", nproc=4)
     settings, batches, weights = reference_inputs(run)
     assert settings.data_ranks == 2 and settings.microbatches == m
     drains, joined = ref.drain_steps(run), ref.side_by_side(batches, settings.data_ranks)
     update_of_step = lambda step: step * m // a
-    assert_equal_with_resharded_norms(differences(run, weights, ref.paci(settings, joined, drains), update_of_step))
-    assert_different(differences(run, weights, ref.paci(settings, joined, drains, late=1), update_of_step))
+    predicted = {"prediction": 2.0}
+    assert_equal_with_resharded_norms(differences(run, weights, ref.paci(settings, joined, drains, **predicted), update_of_step))
+    for control in ({**predicted, "late": 1}, {}, {**predicted, "backward_weights": "forward"}):
+        assert_different(differences(run, weights, ref.paci(settings, joined, drains, **control), update_of_step))
     one_rank = ref.read_batches(run / "batches", settings, data_ranks=[0])
-    assert_different(differences(run, weights, ref.paci(settings, one_rank, drains), update_of_step))
+    assert_different(differences(run, weights, ref.paci(settings, one_rank, drains, **predicted), update_of_step))
     nccl_model.assert_nccl_safe(run / "comm", stages=2, ranks_per_stage=2)
 
 

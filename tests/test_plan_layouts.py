@@ -26,6 +26,7 @@ MOE = ("model.family=qwen3_moe", "model.num_experts=8", "model.top_k=2", "model.
        "model.load_balance_coeff=0.01", "parallelism.pipeline_parallel_microbatch_size=2", "training.local_batch_size=8")
 MUON = ("optimizer.name=muon",)
 MUON_EF = ("optimizer.name=muon", "optimizer.error_feedback.enabled=true")
+PREDICT = ("training.weight_prediction=1",)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,8 @@ class Case:
         degrees = "-".join(f"{name}{n}" for name, n in
                            (("pp", self.pp), ("fsdp", self.fsdp), ("rep", self.replicas), ("tp", self.tp), ("ep", self.ep)) if n > 1)
         optimizer = ("-muon" if "optimizer.name=muon" in self.extra else "") + ("-ef" if MUON_EF[1] in self.extra else "")
-        return f"{'moe' if self.moe else 'dense'}-{degrees}-{self.schedule}{optimizer}"
+        predict = "-predict" if PREDICT[0] in self.extra else ""
+        return f"{'moe' if self.moe else 'dense'}-{degrees}-{self.schedule}{optimizer}{predict}"
 
 
 EP = "parallelism.expert_parallel_degree"
@@ -82,6 +84,9 @@ CASES = [
     Case(2, 1, 1, 1, 1, "PipeDream2BW", moe=True),  # plain parameters, expert biases versioned
     Case(2, 1, 2, 1, 2, "PACI", moe=True, refused_by=EP),  # EP wider than a stage's data ranks
     Case(2, 2, 1, 2, 2, "PipeDream2BW", moe=True, refused_by=TP),  # TP x EP
+    Case(2, 2, 1, 1, 1, "PipeDream2BW", moe=True, extra=PREDICT),  # predicted shards, expert biases predicted
+    Case(2, 2, 2, 1, 1, "PACI", extra=PREDICT),
+    Case(2, 1, 1, 2, 1, "PipeDream2BW", extra=PREDICT, refused_by=TP),
 ]
 
 
@@ -90,12 +95,16 @@ def plan(capsys, case: Case) -> tuple[int, str, str]:
                           *sets(*case.assignments()))
 
 
-def expected_policy(case: Case) -> str:
-    """The weight policy of a stage: PACI accumulates locally; 2BW keeps a side shard where FSDP
-    wraps the stage (any data or tensor parallelism) and two whole versions otherwise."""
+def expected_policy(case: Case, pp_rank: int) -> str:
+    """The weight policy of a stage: PACI accumulates locally (predicting the forwards' weights on
+    every stage but the last with weight prediction); 2BW keeps side shards where FSDP wraps the
+    stage (any data or tensor parallelism) and whole versions otherwise, predicted ones with
+    weight prediction."""
+    predict = PREDICT[0] in case.extra
     if case.schedule == "PACI":
-        return "LocalAccumulation"
-    return "ShardedTwoVersions" if case.fsdp * case.replicas * case.tp > 1 else "TwoVersions"
+        return "PredictedAccumulation" if predict and pp_rank < case.pp - 1 else "LocalAccumulation"
+    kind = "PredictedVersions" if predict else "TwoVersions"
+    return f"Sharded{kind}" if case.fsdp * case.replicas * case.tp > 1 else kind
 
 
 def assert_one_line_naming(message: str, key: str) -> None:
@@ -133,7 +142,7 @@ def assert_builds(capsys, case: Case) -> None:
     assert [r["rank"] for r in ranks] == sorted({s * per_stage for s in range(case.pp)} | {case.world - 1})
     for rank in ranks:
         assert rank["pp_rank"] == rank["rank"] // per_stage
-        assert rank["weight_policies"] == [expected_policy(case)], rank["rank"]
+        assert rank["weight_policies"] == [expected_policy(case, rank["pp_rank"])], rank["rank"]
         assert rank["balanced_moe_blocks"] == (MOE_BLOCKS[case.pp][rank["pp_rank"]] if case.moe else 0), rank["rank"]
         assert rank["fsdp_wrapped"] == (case.fsdp * case.replicas * case.tp > 1), rank["rank"]
 

@@ -113,10 +113,9 @@ def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism, da
                 "or set training.weight_prediction = 0")
     if training.weight_prediction and training.sync_start_steps:
         return "training.weight_prediction does not run with training.sync_start_steps yet: set one of them to 0"
-    if training.weight_prediction and (data_parallel > 1 or parallelism.tensor_parallel_degree > 1):
-        return (f"training.weight_prediction runs on plain (unsharded) parameters for now: not with a data-parallel degree "
-                f"of {data_parallel} or parallelism.tensor_parallel_degree = {parallelism.tensor_parallel_degree}; "
-                "set training.weight_prediction = 0, or train without FSDP, replicas and TP")
+    if training.weight_prediction and parallelism.tensor_parallel_degree > 1:
+        return (f"training.weight_prediction does not run with parallelism.tensor_parallel_degree = "
+                f"{parallelism.tensor_parallel_degree} yet: set training.weight_prediction = 0, or train without TP")
     if parallelism.emulated_stages and schedule is None:
         return f"parallelism.emulated_stages = {parallelism.emulated_stages} emulates a streaming schedule (PipeDream2BW or PACI), not {name!r}"
     if schedule is None:

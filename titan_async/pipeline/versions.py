@@ -4,13 +4,18 @@
   without PP; plain and FSDP2 parameters): batch t runs forward and backward on version
   U_t; once batch b's gradient g_b is complete the stage computes U_{b+2} = U_{b+1} - Opt(g_b)
   in place of U_b. Net effect on every stage: W[k+1] = W[k] - Opt(grad f_k(W[k-1])), W[-1] = W[0].
-- `PredictedVersions` (PipeDream-2BW with weight prediction, plain parameters): batch t runs on
-  the versions extrapolated along the last update, P_t = U_t + h (U_t - U_{t-1}).
-- `PredictedAccumulation` (PACI with weight prediction, plain parameters): forwards run at the
-  weights extrapolated along the stage's last local step by its mean delay.
+- `PredictedVersions` and `ShardedPredictedVersions` (PipeDream-2BW with weight prediction;
+  plain and FSDP2 parameters): batch t runs on the versions extrapolated along the last update,
+  P_t = U_t + h (U_t - U_{t-1}).
+- `PredictedAccumulation` (PACI with weight prediction; plain and FSDP2 parameters): forwards
+  run at the weights extrapolated along the stage's last local step by its mean delay.
 - `LocalAccumulation` (PACI): no stash; after every `a` local backwards the stage steps its
   optimizer in place, so a microbatch may see newer weights in its backward than in its forward
   (see its docstring for what activation checkpointing changes).
+
+Under FSDP2 (and torchtitan's replicas, FSDP2 over a replicate mesh) the policies keep and
+predict each rank's own shards: the extrapolation is elementwise, so the gathered prediction is
+the prediction of the gathered weights.
 
 Sync Start (`sync_start` = N > 0, `training.sync_start_steps`): batches 0..N-1 are synchronous,
 W[k+1] = W[k] - Opt(grad f_k(W[k])): one in-place update per batch with the whole batch's
@@ -317,10 +322,16 @@ class ShardedTwoVersions(OneStepDelay):
     def _side(self) -> list[torch.Tensor]:
         """The side shards (laid out as the parameters' shards, for `exchange_storage`)."""
         if self.side is None:
-            self.side = [spare_storage(holders) for holders in self.stage.shard_storage(self.params)]
-            for param, side in zip(self.params, self.side):
-                side.copy_(_local(param))
+            self.side = self._copies(self.params)
         return self.side
+
+    def _copies(self, sources: list[torch.Tensor]) -> list[torch.Tensor]:
+        """New side shards, laid out as the parameters' shards (for `exchange_storage`), holding
+        the local values of `sources` (one per parameter)."""
+        sides = [spare_storage(holders) for holders in self.stage.shard_storage(self.params)]
+        for side, source in zip(sides, sources):
+            side.copy_(_local(source))
+        return sides
 
     def _swap_shards(self) -> None:
         if self.side is not None:
@@ -351,10 +362,14 @@ class ShardedTwoVersions(OneStepDelay):
                 self.stage.reshard()
         if not self.stage.gathered:
             self.stage.reshard()  # units FSDP left gathered hold older weights
-            if self.shard_version != batch:
-                self._swap_shards()
+            self._hold(batch)
             self.gathered_version = batch
-        elif batch == self.updates + 1 and self.shard_version != batch:
+        elif batch == self.updates + 1:
+            self._hold(batch)
+
+    def _hold(self, version: int) -> None:
+        """Make the parameters' shards hold version `version`."""
+        if self.shard_version != version:
             self._swap_shards()
 
     def apply_update(self, batch: int, optimizer_step: Callable[[], None]) -> None:
@@ -426,11 +441,122 @@ class ShardedTwoVersions(OneStepDelay):
         if step < self.sync_start:
             self._both_live()
             return
-        self.side = [spare_storage(holders) for holders in self.stage.shard_storage(self.params)]
-        for side, name in zip(self.side, names):
-            side.copy_(_local(state[name]))
+        self.side = self._copies([state[name] for name in names[:len(self.params)]])
         self.exchanged = False
         self.shard_version, self.side_version = step + 1, step
+        self.gathered_version = self.spare_version = None
+
+
+class ShardedPredictedVersions(ShardedTwoVersions):
+    """`PredictedVersions` on FSDP2 parameters: each rank predicts its own shards (the
+    extrapolation is elementwise, so FSDP gathers the prediction of the gathered weights).
+
+    The parameters' own shard storage holds the latest U, which the optimizer steps; two side
+    shards hold the predictions of the batches in flight, keyed by the parity of their batch as
+    `PredictedVersions` keys its buffers. Where `ShardedTwoVersions.activate` makes the shards
+    hold version t, the shard of P_t is exchanged into the parameters (`_hold`), and the
+    gathered versions are P_t. Once batch b's gradient is complete, U_{b+2} = U_{b+1} - Opt(g_b)
+    in the parameters' own storage and P_{b+2} = U_{b+2} + h (U_{b+2} - U_{b+1}) in the side
+    shard of P_b. Between steps (`expose_latest`) the parameters hold their own storage, the
+    latest U, and the units are resharded, so that validation gathers it and checkpoints save
+    it. Two side shards: one weight copy more than `ShardedTwoVersions`. Before the first update
+    every version is the live weights: the side shards are copied from them when first needed."""
+
+    LATEST = "latest"
+
+    def __init__(self, params: list[torch.nn.Parameter], microbatches: int, stage: FsdpStage, horizon: float,
+                 buffers: list[torch.Tensor] = ()) -> None:
+        """`buffers`: unsharded tensors versioned with the weights (MoE expert biases), predicted
+        as `PredictedVersions` predicts plain parameters."""
+        super().__init__(params, microbatches, stage)
+        self.horizon = horizon
+        self.buffers = PredictedVersions(list(buffers), microbatches, horizon) if buffers else None
+        self.sides: dict[int | str, list[torch.Tensor]] = {}
+        """The shards the parameters do not hold: P_t under t % 2, the latest U under LATEST."""
+        self.held: int | str = self.LATEST
+
+    def _sides(self) -> dict[int | str, list[torch.Tensor]]:
+        """The side shards (the predictions made now, from the live weights, if still pending)."""
+        if not self.sides:
+            self.sides = {parity: self._copies(self.params) for parity in (0, 1)}
+        return self.sides
+
+    def _hold(self, version: int | str) -> None:
+        """Exchange the shards of P_version (or of the latest U, `LATEST`) into the parameters."""
+        key = version if version == self.LATEST else version % 2
+        if key == self.held or not self.sides:
+            return
+        holders = self.stage.shard_storage(self.params)
+        self.sides[self.held] = [exchange_storage(h, side) for h, side in zip(holders, self.sides.pop(key))]
+        self.held = key
+        self.stage.fence()
+
+    def apply_update(self, batch: int, optimizer_step: Callable[[], None]) -> None:
+        """U_{batch+2} = U_{batch+1} - Opt(g_batch) in the parameters' own shards; P_{batch+2}
+        into the side shard of P_batch (and the buffers' likewise)."""
+        self.stage.reduce()
+        self._sides()
+        self._hold(self.LATEST)
+        target = self.sides[batch % 2]
+        with torch.no_grad():
+            for side, param in zip(target, self.params):
+                side.copy_(_local(param))
+        self.updates += 1
+
+        def step() -> None:
+            with preserved_versions(self.params):
+                optimizer_step()
+
+        if self.buffers:
+            self.buffers.apply_update(batch, step)
+        else:
+            step()
+        with torch.no_grad():
+            for side, param in zip(target, self.params):
+                side.mul_(-self.horizon).add_(_local(param), alpha=1 + self.horizon)
+        self.stage.fence()
+        if not self.stage.gathered:
+            self.stage.reshard()
+            self.gathered_version = None
+        if not self._alive(self.spare_version):
+            self.spare_version = None
+
+    def expose_latest(self, step: int) -> None:
+        """The parameters hold the latest U, and FSDP gathers it next."""
+        if self.buffers:
+            self.buffers.expose_latest(step)
+        self._hold(self.LATEST)
+        self.stage.reshard()
+        self.gathered_version = None
+
+    def copies(self) -> list[torch.Tensor]:
+        """The two side shards (made now if still pending) and the buffers' copies."""
+        return [t for side in self._sides().values() for t in side] + (self.buffers.copies() if self.buffers else [])
+
+    def extra_bytes(self) -> int:
+        """Bytes of the two side shards."""
+        return sum(t.untyped_storage().nbytes() for side in self.sides.values() for t in side)
+
+    def state_dict(self, names: list[str], step: int) -> dict[str, torch.Tensor]:
+        """After `step` steps (drained) the parameters hold U_{step+1}; these are P_step under
+        the parameters' names and P_{step+1} under "next.<name>", sharded like the parameters,
+        then the buffers' (as `PredictedVersions.state_dict`)."""
+        sides = self._sides()
+        state = {prefix + name: _like(param, t) for prefix, version in (("", step), ("next.", step + 1))
+                 for name, param, t in zip(names, self.params, sides[version % 2])}
+        if self.buffers:
+            state.update(self.buffers.state_dict(names[len(self.params):], step))
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], names: list[str], step: int) -> None:
+        """Restore both predictions after a checkpoint at `step` loaded U_{step+1} into the shards."""
+        if self.buffers:
+            self.buffers.load_state_dict(state, names[len(self.params):], step)
+        self.backwards.clear()
+        self.updates = step
+        own = names[:len(self.params)]
+        self.sides = {version % 2: self._copies([state[prefix + name] for name in own]) for prefix, version in (("", step), ("next.", step + 1))}
+        self.held = self.LATEST
         self.gathered_version = self.spare_version = None
 
 
@@ -544,26 +670,38 @@ class LocalAccumulation:
 
 
 class PredictedAccumulation(LocalAccumulation):
-    """PACI with weight prediction (plain parameters): a stage whose microbatches cross d of its
-    local steps between forward and backward (on average; d = (p - 1 - s) / a in a steady
-    window) runs each forward at W + `horizon` (W - W_prev), `horizon` = h d, W_prev the weights
-    before its last local step: the activations a backward combines with the current weights
-    come from weights predicted to be nearer to them. The prediction is written into the live
-    weights for the forward and the weights are copied back after it, so that the backward reads
-    the current weights wherever the forward saved them (the parameter, or a view of it such as
-    a linear layer's transposed weight), as PACI's. W_prev and the copy of the live weights are
-    two weight copies; W_prev is checkpointed."""
+    """PACI with weight prediction: a stage whose microbatches cross d of its local steps
+    between forward and backward (on average; d = (p - 1 - s) / a in a steady window) runs each
+    forward at W + `horizon` (W - W_prev), `horizon` = h d, W_prev the weights before its last
+    local step: the activations a backward combines with the current weights come from weights
+    predicted to be nearer to them. The prediction is written into the live weights for the
+    forward and the weights are copied back after it, so that the backward reads the current
+    weights wherever the forward saved them (the parameter, or a view of it such as a linear
+    layer's transposed weight), as PACI's. W_prev and the copy of the live weights are two
+    weight copies; W_prev is checkpointed.
 
-    def __init__(self, params: list[torch.nn.Parameter], accumulation: int, microbatches: int, horizon: float) -> None:
-        super().__init__(params, accumulation, microbatches)
+    Under FSDP2 each rank predicts its own shards (the prediction is elementwise) and the stage
+    reshards after writing them, before the forward and after it: the forward gathers the
+    prediction, and the next action gathers the current weights into the storage the forward's
+    saved views share (as `LocalAccumulation`'s in-flight backwards read a local step's
+    weights). That is two all-gathers per forward on a stage that predicts."""
+
+    def __init__(self, params: list[torch.nn.Parameter], accumulation: int, microbatches: int, horizon: float,
+                 stage: FsdpStage | None = None) -> None:
+        super().__init__(params, accumulation, microbatches, stage)
         self.horizon = horizon
         self.before: list[torch.Tensor] | None = None
-        """W_prev: the weights before the last local step (None until the first)."""
+        """W_prev: the weights (local shards) before the last local step (None until the first)."""
         self.live: list[torch.Tensor] | None = None
         """A copy of the live weights W, restored after each forward at the prediction."""
         self.live_current = False
         """Whether `live` holds W (it is taken again after a local step or a load)."""
         self.predicting = False
+
+    def _written(self) -> None:
+        """After writing the shards: FSDP gathers them next."""
+        if self.stage:
+            self.stage.reshard()
 
     @torch.no_grad()
     def before_forward(self, microbatch: int) -> None:
@@ -571,28 +709,30 @@ class PredictedAccumulation(LocalAccumulation):
         if self.before is None:
             return
         if self.live is None:
-            self.live = [p.data.clone() for p in self.params]
+            self.live = [_local(p).clone() for p in self.params]
         elif not self.live_current:
             for live, param in zip(self.live, self.params):
-                live.copy_(param.data)
+                live.copy_(_local(param))
         self.live_current = True
         for param, before in zip(self.params, self.before):
-            param.data.mul_(1 + self.horizon).sub_(before, alpha=self.horizon)
+            _local(param).mul_(1 + self.horizon).sub_(before, alpha=self.horizon)
+        self._written()
         self.predicting = True
 
     @torch.no_grad()
     def after_forward(self, microbatch: int) -> None:
         if self.predicting:
             for param, live in zip(self.params, self.live):
-                param.data.copy_(live)
+                _local(param).copy_(live)
+            self._written()
             self.predicting = False
 
     def apply_update(self, batch: int, optimizer_step: Callable[[], None]) -> None:
         if self.before is None:
-            self.before = [p.data.clone() for p in self.params]
+            self.before = [_local(p).clone() for p in self.params]
         else:
             for saved, param in zip(self.before, self.params):
-                saved.copy_(param.data)
+                saved.copy_(_local(param))
         super().apply_update(batch, optimizer_step)
         self.live_current = False
 
@@ -604,18 +744,18 @@ class PredictedAccumulation(LocalAccumulation):
 
     def copies(self) -> list[torch.Tensor]:
         """W_prev and the copy of the live weights (made now if pending)."""
-        return [t for kept in (self.before, self.live) for t in kept or [p.data.clone() for p in self.params]]
+        return [t for kept in (self.before, self.live) for t in kept or [_local(p).clone() for p in self.params]]
 
     def state_dict(self, names: list[str], step: int) -> dict[str, torch.Tensor]:
-        """PACI's state and W_prev (the live weights before the first step)."""
+        """PACI's state and W_prev (the live weights before the first step), sharded like the parameters."""
         state = super().state_dict(names, step)
-        before = self.before or [p.data.clone() for p in self.params]
-        state.update({f"before.{name}": tensor for name, tensor in zip(names, before)})
+        before = self.before or [_local(p).clone() for p in self.params]
+        state.update({f"before.{name}": _like(param, t) for name, param, t in zip(names, self.params, before)})
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor], names: list[str], step: int) -> None:
         super().load_state_dict(state, names, step)
-        self.before = [state[f"before.{name}"].clone() for name in names] if self.updates else None
+        self.before = [_local(state[f"before.{name}"]).clone() for name in names] if self.updates else None
         self.live_current = False
 
 
@@ -624,14 +764,16 @@ def two_versions(module: torch.nn.Module, microbatches: int, stage: FsdpStage | 
     """PipeDream-2BW's versions of `module`'s parameters (and MoE expert biases,
     `load_balance.versioned_tensors`): sharded when `stage` (its FSDP units) is given;
     synchronous for the first `sync_start` batches; predicted with horizon `prediction` when
-    it is not 0 (plain parameters only, no Sync Start: the config refuses the others)."""
+    it is not 0 (without Sync Start: the config refuses it)."""
+    assert not (prediction and sync_start), "weight prediction runs without Sync Start"
     tensors = [tensor for _, tensor in versioned_tensors(module)]
-    if prediction:
-        assert not stage and not sync_start, "weight prediction runs on plain parameters, without Sync Start"
-        return PredictedVersions(tensors, microbatches, prediction)
     if stage:
         params = list(module.parameters())
+        if prediction:
+            return ShardedPredictedVersions(params, microbatches, stage, prediction, buffers=tensors[len(params):])
         return ShardedTwoVersions(params, microbatches, stage, buffers=tensors[len(params):], sync_start=sync_start)
+    if prediction:
+        return PredictedVersions(tensors, microbatches, prediction)
     return TwoVersions(tensors, microbatches, sync_start)
 
 
@@ -650,6 +792,6 @@ def make_policy(schedule: str, module: torch.nn.Module, microbatches: int, accum
         return two_versions(module, microbatches, stage, sync_start, prediction)
     accumulation = accumulation or microbatches
     if prediction and stages_after:  # the last stage's microbatches cross no local step
-        assert not stage and not sync_start, "weight prediction runs on plain parameters, without Sync Start"
-        return PredictedAccumulation(list(module.parameters()), accumulation, microbatches, prediction * stages_after / accumulation)
+        assert not sync_start, "weight prediction runs without Sync Start"
+        return PredictedAccumulation(list(module.parameters()), accumulation, microbatches, prediction * stages_after / accumulation, stage)
     return LocalAccumulation(list(module.parameters()), accumulation, microbatches, stage, sync_start)

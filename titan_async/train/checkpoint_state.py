@@ -77,11 +77,13 @@ class LiveModelState(ModelWrapper):
 
 def keep_weight_versions(trainer: Trainer, steps) -> None:
     """Have the checkpointer save and load the step runner's weight policies and load balances
-    (nothing without policies), and, under `TwoVersions`, the live parameters (`LiveModelState`)."""
+    (nothing without policies), and, where `TwoVersions` switches tensors (plain parameters, or
+    the expert biases beside sharded versions), the live model state (`LiveModelState`)."""
     if not steps.policies or not trainer.checkpointer.enable:
         return
     trainer.checkpointer.states["weight_versions"] = WeightVersionState(steps.policies, steps.balances, trainer)
-    if any(isinstance(policy, TwoVersions) for policy, _ in steps.policies.values()):
+    policies = [policy for policy, _ in steps.policies.values()]
+    if any(isinstance(p, TwoVersions) or isinstance(getattr(p, "buffers", None), TwoVersions) for p in policies):
         trainer.checkpointer.states[MODEL] = LiveModelState(trainer.model_parts)
 
 
