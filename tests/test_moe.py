@@ -112,12 +112,14 @@ def test_moe_streaming_runs_move_the_biases_and_keep_nccls_rules(runs, request):
 def test_2bw_moe_with_fsdp_equals_the_independent_reference(tmp_path):
     """PP 2 x FSDP 2 (4 processes), PipeDream2BW, experts in float32 and sharded by FSDP, against
     `ref.two_bw` on both data ranks' batches joined: the biases are versioned beside 2BW's side
-    shards, and each stage moves them by the counts summed over its data ranks. Controls: the
-    biases moved by the next batch's counts, and data rank 0's batches alone. Gradient norms at
-    1e-4 as under FSDP (`assert_equal_with_resharded_norms`). Measured: losses 3.1e-8, gradient
-    norms 4.9e-6, weights 8.5e-7."""
+    shards, and each stage moves them by the counts summed over its data ranks. Checkpoints at
+    steps 2 and 4, where the biases' live version is not the tensor the model state held at the
+    start, must save without touching the other version. Controls: the biases moved by the next
+    batch's counts, and data rank 0's batches alone. Gradient norms at 1e-4 as under FSDP
+    (`assert_equal_with_resharded_norms`). Measured: losses 3.1e-8, gradient norms 4.9e-6,
+    weights 8.5e-7."""
     run = pipelined(tmp_path / "2bw", *REFERENCE_MOE, "model.expert_precision=full", "parallelism.pipeline_parallel_schedule=PipeDream2BW",
-                    config="debug_cpu_pp2_fsdp2.toml", nproc=4)
+                    "checkpoint.interval=2", config="debug_cpu_pp2_fsdp2.toml", nproc=4)
     settings, batches, weights = reference_inputs(run)
     assert settings.data_ranks == 2 and settings.expert_ranks == 1 and settings.family == "qwen3_moe"
     assert all(weights[k].abs().max() > 0 for k in weights if k.endswith("expert_bias_E"))
