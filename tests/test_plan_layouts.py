@@ -86,7 +86,7 @@ CASES = [
     Case(2, 2, 1, 2, 2, "PipeDream2BW", moe=True, refused_by=TP),  # TP x EP
     Case(2, 2, 1, 1, 1, "PipeDream2BW", moe=True, extra=PREDICT),  # predicted shards, expert biases predicted
     Case(2, 2, 2, 1, 1, "PACI", extra=PREDICT),
-    Case(2, 1, 1, 2, 1, "PipeDream2BW", extra=PREDICT, refused_by=TP),
+    Case(2, 1, 1, 2, 1, "PipeDream2BW", extra=PREDICT),  # TP shards predicted
 ]
 
 

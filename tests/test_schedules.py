@@ -158,19 +158,6 @@ def test_bad_schedule_settings(capsys, tmp_path, assignment, message):
     assert exit_info.value.code == 2 and message in err and len(err.splitlines()) == 1, err
 
 
-def test_weight_prediction_is_refused_with_tensor_parallelism(capsys, tmp_path):
-    """FSDP and replicas run weight prediction on their shards; TP is still refused, in one line naming both keys."""
-    from titan_async import cli
-
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["train", "--config", str(CONFIGS / "debug_cpu_pp2_fsdp2.toml"), "--nproc-per-node", "4", "--run-dir",
-                  str(tmp_path / "run"), *sets("parallelism.pipeline_parallel_schedule=PipeDream2BW", "training.weight_prediction=1",
-                                               "parallelism.tensor_parallel_degree=2", "parallelism.data_parallel_shard_degree=1")])
-    err = capsys.readouterr().err.strip()
-    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
-    assert "training.weight_prediction does not run with parallelism.tensor_parallel_degree = 2" in err, err
-
-
 def test_lagged_global_clipping_is_refused_where_a_step_has_its_global_norm(capsys, tmp_path):
     from titan_async import cli
 

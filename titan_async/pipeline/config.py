@@ -113,9 +113,6 @@ def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism, da
                 "or set training.weight_prediction = 0")
     if training.weight_prediction and training.sync_start_steps:
         return "training.weight_prediction does not run with training.sync_start_steps yet: set one of them to 0"
-    if training.weight_prediction and parallelism.tensor_parallel_degree > 1:
-        return (f"training.weight_prediction does not run with parallelism.tensor_parallel_degree = "
-                f"{parallelism.tensor_parallel_degree} yet: set training.weight_prediction = 0, or train without TP")
     if parallelism.emulated_stages and schedule is None:
         return f"parallelism.emulated_stages = {parallelism.emulated_stages} emulates a streaming schedule (PipeDream2BW or PACI), not {name!r}"
     if schedule is None:

@@ -13,9 +13,9 @@
   optimizer in place, so a microbatch may see newer weights in its backward than in its forward
   (see its docstring for what activation checkpointing changes).
 
-Under FSDP2 (and torchtitan's replicas, FSDP2 over a replicate mesh) the policies keep and
-predict each rank's own shards: the extrapolation is elementwise, so the gathered prediction is
-the prediction of the gathered weights.
+Under FSDP2 (torchtitan's replicas and TP stages included: FSDP2 wraps them too) the policies
+keep and predict each rank's own shards: the extrapolation is elementwise, so the gathered
+prediction is the prediction of the gathered weights.
 
 Sync Start (`sync_start` = N > 0, `training.sync_start_steps`): batches 0..N-1 are synchronous,
 W[k+1] = W[k] - Opt(grad f_k(W[k])): one in-place update per batch with the whole batch's
