@@ -6,6 +6,7 @@ import csv
 import importlib.util
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -218,11 +219,25 @@ def test_a_sweep_grows_past_an_end_that_wins_until_the_best_is_bracketed():
     assert study.grown(longest, dict(zip(longest, (5, 4, 3, 2, 1))), base) is None  # EXTENSIONS reached
 
 
+def test_the_seed_0_synchronous_arms_are_the_sweeps_runs_at_the_chosen_lrs(tmp_path: Path):
+    settings = study.REGIMES["tokens20"].settings(6e-3, 1e-2, 6e-3)
+    for name in ("adamw-lr0.006", "muon-lr0.01", "muon-lr0.02"):
+        run = tmp_path / "tune" / name
+        run.mkdir(parents=True)
+        (run / "metrics.jsonl").write_text(json.dumps({"step": settings.steps, "kind": "validation", "validation_metrics/loss": 2.5}) + "\n")
+    assert study.copied_from_the_sweep(Arm("adamw", 0, False), settings, tmp_path)
+    assert study.copied_from_the_sweep(Arm("muon", 0, False), settings, tmp_path)
+    assert study.finished(tmp_path / "adamw-sync", settings.steps) and study.finished(tmp_path / "muon-sync", settings.steps)
+    for other in (Arm("adamw", 0, True), Arm("adamw", 1, False), Arm("adamw", 0, False, 1), Arm("muon", 1, False, 0, "predict")):
+        assert not study.copied_from_the_sweep(other, settings, tmp_path)
+    assert not study.copied_from_the_sweep(Arm("muon", 0, False), replace(settings, muon_lr=4e-2), tmp_path)  # not swept
+
+
 def test_best_lr_and_dry_run(tmp_path: Path, capsys):
     assert study.best_lr({1e-3: 4.2, 3e-3: 4.1, 6e-3: float("nan")}) == 3e-3
     study.main(["--regime", "tokens20", "--sweep", "--seeds", "0,1", "--dry-run", "--runs-dir", str(tmp_path)])
     printed = capsys.readouterr().out
-    assert "279,104 parameters" in printed and "20.1" in printed and "32 runs (8 sweep + 24 arms)" in printed
+    assert "279,104 parameters" in printed and "20.1" in printed and "30 runs (8 sweep + 22 arms; 2 arms are sweep runs)" in printed
     assert printed.count("titan_async.cli train") == 32 and not any(tmp_path.iterdir())
 
 

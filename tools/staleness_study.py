@@ -622,10 +622,24 @@ def settings_from(args: argparse.Namespace) -> Settings:
     )
 
 
+def copied_from_the_sweep(arm: Arm, settings: Settings, runs_dir: Path) -> bool:
+    """Whether `arm` is the sweep's finished run at the chosen lr (seed 0, synchronous, no EF, no
+    corrector: the same command), now copied into its run directory instead of trained again."""
+    lr = settings.adamw_lr if arm.optimizer == "adamw" else settings.muon_lr
+    tuned = runs_dir / "tune" / f"{arm.optimizer}-lr{lr:g}"
+    if arm != Arm(arm.optimizer, 0, False) or not finished(tuned, settings.steps):
+        return False
+    shutil.rmtree(runs_dir / arm.name, ignore_errors=True)
+    shutil.copytree(tuned, runs_dir / arm.name)
+    return True
+
+
 def run_study(args: argparse.Namespace, settings: Settings, arms: list[Arm]) -> tuple[dict[str, float], list[str]]:
     """Train the arms (those already finished in --runs-dir are kept under --skip-done); return
     wall seconds per trained run name and markdown lines describing this invocation."""
     todo = [a for a in arms if not (args.skip_done and finished(args.runs_dir / a.name, settings.steps))]
+    if args.sweep:
+        todo = [a for a in todo if not copied_from_the_sweep(a, settings, args.runs_dir)]
     walls, invocation = run_recorded("tools/staleness_study.py", args.argv, [job(a, settings, args.runs_dir / a.name) for a in todo], args.parallel)
     every_run = shlex.join(job(Arm("adamw", 0, False), settings, Path("RUN")).command()[1:])
     how = [
@@ -718,7 +732,8 @@ def dry_run(args: argparse.Namespace, settings: Settings, arms: list[Arm], regim
     """What a run of this invocation would do, without training: the model, tokens per arm, every
     command and (with a regime) the estimated wall time per arm and in total."""
     lines = []
-    runs = [job(a, settings, args.runs_dir / a.name) for a in arms]
+    trained = [a for a in arms if not (args.sweep and a == Arm(a.optimizer, 0, False))]  # else copied from the sweep
+    runs = [job(a, settings, args.runs_dir / a.name) for a in trained]
     if args.sweep:
         runs = [job(*j) for opt in OPTIMIZERS for j in sweep_jobs(settings, args.runs_dir, opt)] + runs
     tokens = settings.steps * settings.seq_len * settings.batch
@@ -731,7 +746,8 @@ def dry_run(args: argparse.Namespace, settings: Settings, arms: list[Arm], regim
         lines.append(f"  = {tokens / regime.parameters:.2f} tokens per parameter")
         minutes = tokens / regime.tps / 60
         lines.append(f"estimate at {regime.tps:,.0f} tokens/s per run, two at a time on free cores: {minutes:.1f} min per arm, "
-                     f"{len(runs)} runs ({len(runs) - len(arms)} sweep + {len(arms)} arms): {len(runs) * minutes / 2 / 60:.1f} h in all")
+                     f"{len(runs)} runs ({len(runs) - len(trained)} sweep + {len(trained)} arms; "
+                     f"{len(arms) - len(trained)} arms are sweep runs): {len(runs) * minutes / 2 / 60:.1f} h in all")
     lines += ["commands:"] + [f"  {shlex.join(j.command())}" for j in runs]
     return "\n".join(lines)
 
