@@ -74,6 +74,13 @@ def test_load_curves_and_finished(tmp_path: Path):
     assert study.finished(tmp_path / "adamw-delay1", 20) and not study.finished(tmp_path / "adamw-delay1", 30)
 
 
+def test_a_run_still_training_is_left_out_of_the_table(tmp_path: Path):
+    write_runs(tmp_path, SEED0)
+    everything = study.collect(study.study_arms([0]), tmp_path)
+    assert len(everything) == len(study.collect(study.study_arms([0]), tmp_path, steps=20)) == 8
+    assert study.collect(study.study_arms([0]), tmp_path, steps=30) == {}  # none validated at step 30
+
+
 def test_gaps_and_recovery_at_one_seed(tmp_path: Path):
     rows = rows_of(write_runs(tmp_path, SEED0), [0])
     by_arm = {r.arm: r for r in rows}

@@ -566,21 +566,23 @@ def noise_section(noise: Noise) -> str:
     return "\n".join(lines)
 
 
-def collect(arms: list[Arm], runs_dir: Path) -> dict[Arm, Curves]:
-    """Curves of the arms whose run in `runs_dir` left a metrics.jsonl."""
+def collect(arms: list[Arm], runs_dir: Path, steps: int | None = None) -> dict[Arm, Curves]:
+    """Curves of the arms whose run in `runs_dir` left a metrics.jsonl; with `steps`, only of the
+    runs that finished (validated at step `steps`): a run still training has no final loss yet."""
     found = {}
     for arm in arms:
         metrics = runs_dir / arm.name / "metrics.jsonl"
-        if metrics.is_file():
+        if metrics.is_file() and (steps is None or finished(runs_dir / arm.name, steps)):
             found[arm] = load_curves(metrics)
     return found
 
 
-def report(arms: list[Arm], runs_dir: Path, out: Path, wall_s: dict[Arm, float], how: list[str], model: str = "", paper: bool = False) -> None:
+def report(arms: list[Arm], runs_dir: Path, out: Path, wall_s: dict[Arm, float], how: list[str], model: str = "", paper: bool = False,
+           steps: int | None = None) -> None:
     """Build the table, checks, CSVs, PNG, configs and README.md in `out` from the runs in
-    `runs_dir`; `how` lists the invocations (markdown lines) that trained them; `paper` adds the
-    paper's numbers (PAPER) as a section."""
-    curves = collect(arms, runs_dir)
+    `runs_dir` (with `steps`, the finished ones); `how` lists the invocations (markdown lines)
+    that trained them; `paper` adds the paper's numbers (PAPER) as a section."""
+    curves = collect(arms, runs_dir, steps)
     rows = build_table(curves, wall_s)
     noise = measure_noise(rows)
     claims = check_ordering(rows, noise.threshold)
@@ -819,7 +821,7 @@ def main(argv: list[str] | None = None) -> None:
         record_file.write_text(json.dumps(record, indent=1))
     wall_s = {a: record["wall_s"][a.name] for a in arms if a.name in record["wall_s"]}
     model = (" (mixture of experts, qwen3 blocks)" if args.moe else "") + (f", {args.regime}" if args.regime else "")
-    report(arms, args.runs_dir, args.out, wall_s, record["how"], model, paper=bool(args.regime))
+    report(arms, args.runs_dir, args.out, wall_s, record["how"], model, paper=bool(args.regime), steps=settings.steps)
 
 
 if __name__ == "__main__":
