@@ -240,6 +240,20 @@ def test_the_seed_0_synchronous_arms_are_the_sweeps_runs_at_the_chosen_lrs(tmp_p
     assert not study.copied_from_the_sweep(Arm("muon", 0, False), replace(settings, muon_lr=4e-2), tmp_path)  # not swept
 
 
+def test_the_ordering_claims_read_the_rows_without_a_corrector(tmp_path: Path):
+    """Sync Start and weight prediction rows share optimizer, delay and EF with the plain delayed
+    row; the claims must compare the plain rows (AdamW gap 0.30 vs Muon 0.04), not the correctors'."""
+    finals = dict(SEED0)
+    finals[Arm("adamw", 1, False, 0, "predict")] = 4.02  # gap 0.02, below Muon's plain 0.04
+    finals[Arm("muon", 1, False, 0, "predict")] = 3.83
+    finals[Arm("adamw", 1, False, 0, "sync_start")] = 4.20
+    finals[Arm("muon", 1, False, 0, "sync_start")] = 3.84
+    rows = study.build_table(study.collect(study.study_arms([0], correctors=True), write_runs(tmp_path, finals)))
+    claims = {c.text: c for c in study.check_ordering(rows, 0.0)}
+    assert claims["AdamW delay gap > Muon delay gap"].mean == pytest.approx(0.30 - 0.04)
+    assert claims["EF reduces AdamW's delay gap"].mean == pytest.approx(0.30 - 0.10)
+
+
 def test_best_lr_and_dry_run(tmp_path: Path, capsys):
     assert study.best_lr({1e-3: 4.2, 3e-3: 4.1, 6e-3: float("nan")}) == 3e-3
     study.main(["--regime", "tokens20", "--sweep", "--seeds", "0,1", "--dry-run", "--runs-dir", str(tmp_path)])

@@ -280,8 +280,8 @@ class Claim:
 
 def check_ordering(rows: list[Row], threshold: float) -> list[Claim]:
     """The paper's ordering, on the seeds where the arms involved all ran: AdamW's delay gap
-    exceeds Muon's, and EF shrinks each optimizer's delay gap."""
-    gaps = {(r.arm.optimizer, r.arm.delay, r.arm.ef): r.gaps for r in rows}
+    exceeds Muon's, and EF shrinks each optimizer's delay gap (the rows without a corrector)."""
+    gaps = {(r.arm.optimizer, r.arm.delay, r.arm.ef): r.gaps for r in rows if not r.arm.corrector}
 
     def difference(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:
         return {s: a[s] - b[s] for s in a if s in b}
