@@ -7,6 +7,7 @@ a pipeline: 2BW (AdamW) and PACI (Muon + error feedback) equal the independent r
 test states). With Muon the reference orthogonalises each whole matrix in one process, so
 equality also checks that a TP-sharded weight is updated from its full logical matrix; so does
 PP 2 x FSDP 2 x TP 2 with Muon (2BW, a custom stage split the reference reads from the run).
+Both schedules also run with weight prediction on PP 2 x TP 2, across a resume.
 """
 
 from __future__ import annotations
