@@ -462,8 +462,8 @@ def moe_parameters(dim: int, n_layers: int, n_heads: int, vocab: int, experts: i
 class Regime:
     """A model and a token budget of `tokens_per_param` x its total parameter count (embedding and
     head included, as in the 20-tokens-per-parameter rule; at this size they are a quarter of the
-    model, so a non-embedding count would undercount what is trained). `tps`: tokens/s of one run of two sharing
-    measured on the 2 shared cores (see CALIBRATION), for the wall-time estimate."""
+    model, so a non-embedding count would undercount what is trained). `tps`: tokens/s of each of
+    two runs sharing the 2 cores (see CALIBRATION), for the wall-time estimate."""
 
     dim: int
     n_layers: int

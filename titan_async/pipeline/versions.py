@@ -117,6 +117,10 @@ class TwoVersions(OneStepDelay):
     Versions switch by pointing `param.data` at the other buffer (no copy; the live storage
     is one of the two buffers)."""
 
+    switches_tensors = True
+    """Whether the model's tensors (parameters, buffers) change storage between versions: a
+    checkpoint must then read the model state live, not from a cache of its tensors."""
+
     def __init__(self, params: list[torch.nn.Parameter], microbatches: int, sync_start: int = 0) -> None:
         super().__init__(microbatches, sync_start)
         self.params = params
@@ -307,6 +311,11 @@ class ShardedTwoVersions(OneStepDelay):
         self.spare: list[torch.Tensor] | None = None
         self._both_live()
 
+    @property
+    def switches_tensors(self) -> bool:
+        """The shards change storage in place; only the plain buffers (`TwoVersions`) switch tensors."""
+        return self.buffers is not None
+
     def _both_live(self) -> None:
         """Until the first delayed update versions N and N + 1 (N = sync_start) are both the live
         weights: a side shard left None holds the shard's values and is copied out when first needed."""
@@ -428,16 +437,22 @@ class ShardedTwoVersions(OneStepDelay):
         the shard holds U_{step+1}, the latest version); then the buffers' other version."""
         side = [_local(p).clone() for p in self.params] if step < self.sync_start else self._side()
         state = {name: _like(param, t) for name, param, t in zip(names, self.params, side)}
-        if self.buffers:
-            state.update(self.buffers.state_dict(names[len(self.params):], step))
-        return state
+        return state | self._buffers_state(names, step)
 
-    def load_state_dict(self, state: dict[str, torch.Tensor], names: list[str], step: int) -> None:
-        """Restore both versions after a checkpoint at `step` loaded U_{step+1} into the shard."""
+    def _buffers_state(self, names: list[str], step: int) -> dict[str, torch.Tensor]:
+        """The buffers' versions, under the names after the parameters'."""
+        return self.buffers.state_dict(names[len(self.params):], step) if self.buffers else {}
+
+    def _load_step(self, state: dict[str, torch.Tensor], names: list[str], step: int) -> None:
+        """Restore the buffers' versions and the update count of a checkpoint at `step`."""
         if self.buffers:
             self.buffers.load_state_dict(state, names[len(self.params):], step)
         self.backwards.clear()
         self.updates = step
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], names: list[str], step: int) -> None:
+        """Restore both versions after a checkpoint at `step` loaded U_{step+1} into the shard."""
+        self._load_step(state, names, step)
         if step < self.sync_start:
             self._both_live()
             return
@@ -544,16 +559,11 @@ class ShardedPredictedVersions(ShardedTwoVersions):
         sides = self._sides()
         state = {prefix + name: _like(param, t) for prefix, version in (("", step), ("next.", step + 1))
                  for name, param, t in zip(names, self.params, sides[version % 2])}
-        if self.buffers:
-            state.update(self.buffers.state_dict(names[len(self.params):], step))
-        return state
+        return state | self._buffers_state(names, step)
 
     def load_state_dict(self, state: dict[str, torch.Tensor], names: list[str], step: int) -> None:
         """Restore both predictions after a checkpoint at `step` loaded U_{step+1} into the shards."""
-        if self.buffers:
-            self.buffers.load_state_dict(state, names[len(self.params):], step)
-        self.backwards.clear()
-        self.updates = step
+        self._load_step(state, names, step)
         own = names[:len(self.params)]
         self.sides = {version % 2: self._copies([state[prefix + name] for name in own]) for prefix, version in (("", step), ("next.", step + 1))}
         self.held = self.LATEST
@@ -580,6 +590,9 @@ class LocalAccumulation:
 
     Under FSDP2 the stage reduces its gradients right before each local step and re-gathers
     after it, so in-flight backwards read the new weights."""
+
+    switches_tensors = False
+    """The weights stay in their tensors (see `TwoVersions.switches_tensors`)."""
 
     def __init__(self, params: list[torch.nn.Parameter], accumulation: int, microbatches: int, stage: FsdpStage | None = None,
                  sync_start: int = 0) -> None:

@@ -15,7 +15,7 @@ from torchtitan.trainer import Trainer
 
 from titan_async.model.init import canonical_name
 from titan_async.pipeline.load_balance import StageLoadBalance, versioned_tensors
-from titan_async.pipeline.versions import OneStepDelay, TwoVersions
+from titan_async.pipeline.versions import OneStepDelay
 
 
 def policy_names(model: torch.nn.Module, policy) -> list[str]:
@@ -77,13 +77,13 @@ class LiveModelState(ModelWrapper):
 
 def keep_weight_versions(trainer: Trainer, steps) -> None:
     """Have the checkpointer save and load the step runner's weight policies and load balances
-    (nothing without policies), and, where `TwoVersions` switches tensors (plain parameters, or
-    the expert biases beside sharded versions), the live model state (`LiveModelState`)."""
+    (nothing without policies), and, where a policy switches the model's tensors (plain
+    parameters, or the expert biases beside sharded versions), the live model state
+    (`LiveModelState`)."""
     if not steps.policies or not trainer.checkpointer.enable:
         return
     trainer.checkpointer.states["weight_versions"] = WeightVersionState(steps.policies, steps.balances, trainer)
-    policies = [policy for policy, _ in steps.policies.values()]
-    if any(isinstance(p, TwoVersions) or isinstance(getattr(p, "buffers", None), TwoVersions) for p in policies):
+    if any(policy.switches_tensors for policy, _ in steps.policies.values()):
         trainer.checkpointer.states[MODEL] = LiveModelState(trainer.model_parts)
 
 
