@@ -60,7 +60,9 @@ def test_arms_interleave_optimizers_and_names_are_unique():
     arms = study.study_arms([0, 1], noise_seeds=[1, 2])
     assert len(arms) == 18 and len({a.name for a in arms}) == 18
     assert [a.optimizer for a in arms] == ["adamw", "muon"] * 9
-    assert set(arms[:8]) == set(SEED0) and arms[8] == Arm("adamw", 0, False, 1)
+    main = [Arm(o, d, e, seed) for seed in (0, 1) for d, e in ((0, False), (1, False), (1, True)) for o in ("adamw", "muon")]
+    assert arms[:12] == main  # the delay gap and EF's recovery at every seed first
+    assert arms[12:16] == [Arm("adamw", 0, True), Arm("muon", 0, True), Arm("adamw", 0, True, 1), Arm("muon", 0, True, 1)]
     assert arms[-2:] == [Arm("adamw", 0, False, 2), Arm("muon", 0, False, 2)]
     assert Arm("muon", 1, True, 2).name == "muon-delay1-ef-seed2"
     assert "training.gradient_delay=1" in Arm("muon", 1, True).overrides()
@@ -175,23 +177,28 @@ def test_tokens20_regime_trains_20_tokens_per_parameter():
 
 
 def test_the_moe_regime_trains_20_tokens_per_parameter_of_every_expert():
-    """The trainer's counts (its optimizer table: Muon + AdamW rows) for 8 experts of hidden size
-    48 and 96: 360,448 + 68,288 and 655,360 + 68,288."""
+    """The trainer's counts (its optimizer table: Muon + AdamW rows, or AdamW's total) for 8
+    experts of hidden size 48 and 96 (360,448 + 68,288 and 655,360 + 68,288) and for the regime's
+    4 of hidden size 48 (280,256)."""
     assert study.moe_parameters(64, 4, 4, 512, 8, 48) == 428_736
     assert study.moe_parameters(64, 4, 4, 512, 8, 96) == 723_648
-    dense = study.REGIMES["tokens20"]
+    assert study.moe_parameters(64, 4, 4, 512, 4, 48) == 280_256
     moe = study.regime_of(study.parse_args(["--regime", "tokens20", "--moe"]))
-    assert moe.parameters == 428_736 and moe.steps > dense.steps
+    assert moe.parameters == 280_256
     assert 20 * moe.parameters <= moe.tokens < 20 * moe.parameters + moe.seq_len * moe.batch * moe.evaluations
     overrides = moe.settings(1e-3, 1e-2, 1e-3).overrides()
-    assert {"model.family=qwen3_moe", "model.moe_hidden_dim=48", f"training.steps={moe.steps}"} <= set(overrides)
+    assert {"model.family=qwen3_moe", "model.num_experts=4", "model.moe_hidden_dim=48", "model.expert_precision=full",
+            f"training.steps={moe.steps}"} <= set(overrides)
+    dense = study.REGIMES["tokens20"].settings(1e-3, 1e-2, 1e-3).overrides()
+    assert not any(o.startswith(("model.family", "model.num_experts", "model.expert_precision")) for o in dense)
 
 
 def test_corrector_arms_and_their_overrides():
     arms = study.study_arms([0, 1], correctors=True)
     assert len(arms) == 24 and len({a.name for a in arms}) == 24
-    assert arms[8:12] == [Arm("adamw", 1, False, 0, "sync_start"), Arm("muon", 1, False, 0, "sync_start"),
-                          Arm("adamw", 1, False, 0, "predict"), Arm("muon", 1, False, 0, "predict")]
+    assert arms[12:18] == [Arm("adamw", 0, True), Arm("muon", 0, True),
+                           Arm("adamw", 1, False, 0, "sync_start"), Arm("muon", 1, False, 0, "sync_start"),
+                           Arm("adamw", 1, False, 0, "predict"), Arm("muon", 1, False, 0, "predict")]
     sync_start = Arm("muon", 1, False, 1, "sync_start")
     assert sync_start.name == "muon-delay1-syncstart-seed1" and sync_start.label == "Muon delay 1 + Sync Start"
     assert "training.sync_start_steps=137" in sync_start.overrides(1370)

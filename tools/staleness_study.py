@@ -2,8 +2,8 @@
 error feedback (EF), on the same small llama, data and token budget.
 
 Each arm is one `titan-async train` run (`training.gradient_delay` = 0 or 1, `optimizer.name`,
-`optimizer.error_feedback.enabled`, `debug.seed`); runs are interleaved so that the optimizers
-alternate. Learning rates are fixed per optimizer for all its arms (chosen on the synchronous run
+`optimizer.error_feedback.enabled`, `debug.seed`); the optimizers alternate, and every seed's
+delay gap and EF recovery are trained before the other arms (`study_arms`). Learning rates are fixed per optimizer for all its arms (chosen on the synchronous run
 with --tune-adamw / --tune-muon). --seeds runs all 8 arms per seed; --noise-seeds adds repeats of
 the synchronous no-EF arms only. Writes the table (CSV and README.md), the loss curves (CSV and
 PNG), the resolved config of every run, the commands and the git revision into --out.
@@ -18,6 +18,9 @@ weight prediction for each optimizer); --dry-run prints the commands and the tim
 
     .venv/bin/python tools/staleness_study.py --regime tokens20 --sweep --seeds 0,1 --skip-done [--dry-run]
     .venv/bin/python tools/staleness_study.py --regime tokens20 --sweep --seeds 0,1 --skip-done --moe
+
+With --moe the regime's model has 4 float32 experts (top-2) of hidden 48 in every block: 280,256
+parameters, 20 tokens for each, its lrs swept on the same grids as the dense model's.
 """
 
 from __future__ import annotations
@@ -40,10 +43,10 @@ from titan_async.rundir.record import TRAIN_LOSS, VALIDATION_LOSS
 OPTIMIZERS = ("adamw", "muon")
 OPTIMIZER_LABELS = {"adamw": "AdamW", "muon": "Muon"}
 ANALYSIS_HEADING = "## Analysis"
-EXPERTS = 8
-MOE = ("model.family=qwen3_moe", f"model.num_experts={EXPERTS}", "model.top_k=2", "model.load_balance_coeff=0.001")
-"""--moe: the qwen3 mixture-of-experts blocks (8 experts, top-2, expert biases moved at each step);
-each expert's hidden size is `Settings.moe_hidden_dim`."""
+MOE = ("model.family=qwen3_moe", "model.top_k=2", "model.load_balance_coeff=0.001")
+"""--moe: the qwen3 mixture-of-experts blocks (top-2, expert biases moved at each step); the
+number of experts, their hidden size and precision are `Settings.experts`, `.moe_hidden_dim` and
+`.expert_precision`."""
 CORRECTORS = ("", "sync_start", "predict")
 """Delayed-arm correctors beside EF: none; Sync Start (the first SYNC_START_SHARE of the steps
 synchronous, `training.sync_start_steps`); weight prediction (`training.weight_prediction = 1`)."""
@@ -116,15 +119,16 @@ def sync_start_steps(steps: int) -> int:
 
 
 def study_arms(seeds: list[int], noise_seeds: list[int] = (), correctors: bool = False) -> list[Arm]:
-    """All 8 arms for each of `seeds`, interleaved (optimizers alternate, then delay, then EF),
-    with `correctors` also the delayed Sync Start and weight-prediction arms (no EF) after each
-    seed's 8, then each optimizer's synchronous no-EF arm for each of `noise_seeds`; no duplicates."""
+    """The arms of `seeds`, optimizers alternating: first, seed by seed, the six that measure the
+    delay gap and EF's recovery of it (sync, delay 1, delay 1 + EF), then, seed by seed, sync + EF
+    and, with `correctors`, the delayed Sync Start and weight-prediction arms (no EF), then each
+    optimizer's synchronous no-EF arm for each of `noise_seeds`; no duplicates. An interrupted
+    study thus has its main gaps at every seed first."""
     extra = [c for c in CORRECTORS if c] if correctors else []
-    arms = [
-        arm for seed in seeds for arm in
-        [Arm(opt, delay, ef, seed) for ef in (False, True) for delay in (0, 1) for opt in OPTIMIZERS]
-        + [Arm(opt, 1, False, seed, c) for c in extra for opt in OPTIMIZERS]
-    ]
+    main = [(0, False), (1, False), (1, True)]
+    arms = [Arm(opt, delay, ef, seed) for seed in seeds for delay, ef in main for opt in OPTIMIZERS]
+    arms += [arm for seed in seeds for arm in
+             [Arm(opt, 0, True, seed) for opt in OPTIMIZERS] + [Arm(opt, 1, False, seed, c) for c in extra for opt in OPTIMIZERS]]
     arms += [Arm(opt, 0, False, seed) for seed in noise_seeds for opt in OPTIMIZERS]
     return list(dict.fromkeys(arms))
 
@@ -411,12 +415,16 @@ class Settings:
     vocab_size: int = 0
     multiple_of: int = 0
     moe_hidden_dim: int = 128
+    experts: int = 8
+    expert_precision: str = ""
+    """`model.expert_precision` of the MoE runs; empty: the trainer's default (bfloat16)."""
 
     def overrides(self) -> list[str]:
         """The `--set` values common to all arms (vocab and FFN rounding only where set)."""
         sizes = [f"data.vocab_size={self.vocab_size}"] if self.vocab_size else []
         sizes += [f"model.multiple_of={self.multiple_of}"] if self.multiple_of else []
-        moe = [*MOE, f"model.moe_hidden_dim={self.moe_hidden_dim}"] if self.moe else []
+        moe = [*MOE, f"model.num_experts={self.experts}", f"model.moe_hidden_dim={self.moe_hidden_dim}"] if self.moe else []
+        moe += [f"model.expert_precision={self.expert_precision}"] if self.moe and self.expert_precision else []
         return [*moe, *sizes,
             f"training.steps={self.steps}",
             f"training.seq_len={self.seq_len}",
@@ -463,7 +471,8 @@ class Regime:
     """A model and a token budget of `tokens_per_param` x its total parameter count (embedding and
     head included, as in the 20-tokens-per-parameter rule; at this size they are a quarter of the
     model, so a non-embedding count would undercount what is trained). `tps`: tokens/s of each of
-    two runs sharing the 2 cores (see CALIBRATION), for the wall-time estimate."""
+    two runs sharing the 2 cores (see CALIBRATION), for the wall-time estimate; `moe_tps` the
+    same for the MoE blocks."""
 
     dim: int
     n_layers: int
@@ -474,18 +483,23 @@ class Regime:
     batch: int
     tokens_per_param: float
     tps: float
+    moe_tps: float = 10_000.0
     warmup_share: float = 0.05
     evaluations: int = 10
     moe: bool = False
     """The MoE blocks (MOE) in place of the dense ones, trained on tokens_per_param x their own
     (larger) total parameter count."""
+    moe_experts: int = 4
     moe_hidden_dim: int = 48
-    """Each expert's hidden size: the 2 routed experts hold half the dense SwiGLU's hidden size."""
+    """Each expert's hidden size: the 2 routed experts hold half the dense SwiGLU's hidden size.
+    Four experts, in float32 (`model.expert_precision = "full"`): on the CPU, bfloat16 experts
+    halve the throughput and eight experts of half the size cost 2.4 times as long per token
+    (CALIBRATION), which would put one arm at about half an hour."""
 
     @property
     def parameters(self) -> int:
         if self.moe:
-            return moe_parameters(self.dim, self.n_layers, self.n_heads, self.vocab_size, EXPERTS, self.moe_hidden_dim)
+            return moe_parameters(self.dim, self.n_layers, self.n_heads, self.vocab_size, self.moe_experts, self.moe_hidden_dim)
         return dense_parameters(self.dim, self.n_layers, self.vocab_size, self.multiple_of)
 
     @property
@@ -504,7 +518,7 @@ class Regime:
         return Settings(
             self.steps, adamw_lr, muon_lr, muon_adamw_lr, self.dim, self.n_layers, self.n_heads, self.seq_len,
             self.batch, self.steps // self.evaluations, 32, max(1, round(self.warmup_share * self.steps)), self.moe,
-            self.vocab_size, self.multiple_of, self.moe_hidden_dim,
+            self.vocab_size, self.multiple_of, self.moe_hidden_dim, self.moe_experts, "full" if self.moe else "",
         )
 
 
@@ -516,8 +530,12 @@ while other work held the 1-minute load average at 3-7):
 - dim 64, 4 layers, vocab 512 (`tokens20`): 279,104 parameters; about 1,350 tokens/s under load;
   on free cores (60-step runs, Muon + EF, delay 1) 26,100 tokens/s alone and 18,200 each with two
   at once (`--parallel 2`, one thread each): 1.4 times the throughput of one run at a time.
-The estimate uses 18,000 tokens/s per run, two at a time (the MoE blocks are not calibrated);
-under load expect several times longer."""
+- the MoE blocks of `tokens20 --moe` (20-40-step runs beside two dense study runs, so relative
+  to those): 8 bfloat16 experts of hidden 48, 2,800 tokens/s; the same in float32, 5,600 (the dense
+  runs beside them: 12,800); 8 float32 experts of hidden 24, 2,600, and 4 of hidden 48, 6,300 (the
+  two run together): the CPU's cost grows with the number of experts, not their size.
+The estimate uses 18,000 tokens/s per run, two at a time, and 10,000 for the MoE blocks (4 float32
+experts, scaled from the dense runs beside them); under load expect several times longer."""
 
 REGIMES = {"tokens20": Regime(64, 4, 4, 512, 64, 256, 16, 20.0, 18_000.0)}
 """--regime: `tokens20` trains 20 tokens per parameter (the paper's budget) on a 279K-parameter llama."""
@@ -741,13 +759,14 @@ def dry_run(args: argparse.Namespace, settings: Settings, arms: list[Arm], regim
     tokens = settings.steps * settings.seq_len * settings.batch
     if regime is not None:
         lines.append(f"model: dim {regime.dim}, {regime.n_layers} layers, {regime.n_heads} heads, vocab {regime.vocab_size}, "
-                     + (f"{EXPERTS} experts of hidden size {regime.moe_hidden_dim}, top-2" if regime.moe else f"FFN multiple_of {regime.multiple_of}")
+                     + (f"{regime.moe_experts} float32 experts of hidden size {regime.moe_hidden_dim}, top-2" if regime.moe else f"FFN multiple_of {regime.multiple_of}")
                      + f": {regime.parameters:,} parameters (total, every expert, embedding and head included)")
     lines.append(f"per arm: {settings.steps} steps x {settings.seq_len} x {settings.batch} = {tokens:,} tokens")
     if regime is not None:
         lines.append(f"  = {tokens / regime.parameters:.2f} tokens per parameter")
-        minutes = tokens / regime.tps / 60
-        lines.append(f"estimate at {regime.tps:,.0f} tokens/s per run, two at a time on free cores: {minutes:.1f} min per arm, "
+        tps = regime.moe_tps if regime.moe else regime.tps
+        minutes = tokens / tps / 60
+        lines.append(f"estimate at {tps:,.0f} tokens/s per run, two at a time on free cores: {minutes:.1f} min per arm, "
                      f"{len(runs)} runs ({len(runs) - len(trained)} sweep + {len(trained)} arms; "
                      f"{len(arms) - len(trained)} arms are sweep runs): {len(runs) * minutes / 2 / 60:.1f} h in all")
     lines += ["commands:"] + [f"  {shlex.join(j.command())}" for j in runs]
