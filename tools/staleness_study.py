@@ -3,8 +3,9 @@ error feedback (EF), on the same small llama, data and token budget.
 
 Each arm is one `titan-async train` run (`training.gradient_delay` = 0 or 1, `optimizer.name`,
 `optimizer.error_feedback.enabled`, `debug.seed`); the optimizers alternate, and every seed's
-delay gap and EF recovery are trained before the other arms (`study_arms`). Learning rates are fixed per optimizer for all its arms (chosen on the synchronous run
-with --tune-adamw / --tune-muon). --seeds runs all 8 arms per seed; --noise-seeds adds repeats of
+delay gap and EF recovery are trained before the other arms (`study_arms`). Learning rates are
+fixed per optimizer for all its arms (chosen on the synchronous run with --tune-adamw /
+--tune-muon). --seeds runs all 8 arms per seed; --noise-seeds adds repeats of
 the synchronous no-EF arms only. Writes the table (CSV and README.md), the loss curves (CSV and
 PNG), the resolved config of every run, the commands and the git revision into --out.
 
