@@ -1,13 +1,13 @@
 """The one place where titan-async adapts torchtitan to the machine it runs on.
 
-On a machine with a CUDA device nothing is changed: torchtitan's own defaults
-(FlexAttention, NCCL) stay. Which machine this is is asked of NVML, never of the CUDA
-runtime, so that the launcher's processes stay fork-safe (`cuda_visible`,
-`fork_keeps_cuda`). On a machine without one, `configure()` must run
-before torchtitan is first imported; it makes torchtitan pick device type "cpu"
-(and so the gloo backend) and closes the gaps torch 2.15 still has on CPU:
-memory statistics, a string-valued `current_device()`, and the PREMUL_SUM
-reduce-scatter that gloo rejects. The attention swap for CPU lives in
+On a machine with a CUDA device torchtitan's own defaults (FlexAttention, NCCL) stay. Which
+machine this is, and its compute capability, is asked of NVML, never of the CUDA runtime, and
+torchtitan's quantization package is imported with CUDA hidden, so that the launcher's
+processes stay fork-safe (`cuda_visible`, `cuda_capability`, `fork_keeps_cuda`). On a machine
+without one, `configure()` must run before torchtitan is first imported; it makes torchtitan
+pick device type "cpu" (and so the gloo backend) and closes the gaps torch 2.15 still has on
+CPU: memory statistics, a string-valued `current_device()`, and the PREMUL_SUM reduce-scatter
+that gloo rejects. The attention swap for CPU lives in
 `titan_async.model.llama` and asks `is_cpu()`.
 """
 
@@ -29,6 +29,9 @@ _device_type: str | None = None
 def configure() -> str:
     """Select and return the device type ("cuda" or "cpu"); idempotent.
 
+    On an NVIDIA GPU node it imports torchtitan's quantization package with CUDA hidden
+    (`_import_quantization_without_cuda`).
+
     Raises RuntimeError if torchtitan was imported first on a CPU-only machine,
     because torchtitan caches the device type at import time.
     """
@@ -37,6 +40,8 @@ def configure() -> str:
         return _device_type
     if cuda_visible():
         _device_type = "cuda"
+        if not torch.version.hip:
+            _import_quantization_without_cuda()
         return _device_type
     if "torchtitan.tools.utils" in sys.modules:
         raise RuntimeError(
@@ -71,6 +76,23 @@ def cuda_visible() -> bool:
     return torch._C._cuda_getDeviceCount() > 0
 
 
+def cuda_capability() -> tuple[int, int] | None:
+    """(major, minor) compute capability of the first visible CUDA device (CUDA_VISIBLE_DEVICES
+    applied), by NVML, never the CUDA runtime; None where NVML cannot say (no NVML, MIG, ROCm)."""
+    if torch.version.hip:
+        return None
+    try:
+        index = torch.cuda._get_nvml_device_index(0)
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        handle, major, minor = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int()
+        if (nvml.nvmlInit_v2() != 0 or nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0
+                or nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) != 0):
+            return None
+        return major.value, minor.value
+    except (OSError, RuntimeError, AttributeError, IndexError, TypeError, ValueError):
+        return None
+
+
 def fork_keeps_cuda() -> bool:
     """Whether a process forked from this one could use CUDA: False once this process has made
     a CUDA runtime call (torch marks every child forked after one). Asked of a child that exits
@@ -85,6 +107,26 @@ def forked_after_cuda() -> bool:
     """Whether this process was forked from one that had made a CUDA runtime call: its first
     CUDA call would fail ("Cannot re-initialize CUDA in forked subprocess")."""
     return bool(getattr(torch._C, "_cuda_isInBadFork", lambda: False)())
+
+
+def _import_quantization_without_cuda() -> None:
+    """Import torchtitan's quantization package (torchtitan's trainer imports it) as a machine
+    without CUDA would: the torchao modules under it ask at import whether the GPU suits their
+    kernels (torch's Triton check `has_triton`, compute-capability checks), each a CUDA runtime
+    call, which a launcher must not make. Every process imports it so, so that workers forked
+    from a launcher (which inherit its modules) and workers started afresh see the same. What
+    the modules then leave out serves torchao's MoE, MX and NVFP4 recipes, which titan-async does
+    not offer. torchtitan's device type is fixed first, with CUDA visible."""
+    import torchtitan.tools.utils  # noqa: F401
+    from torch.utils._triton import has_triton
+
+    available = torch.cuda.is_available
+    torch.cuda.is_available = lambda: False
+    try:
+        import torchtitan.components.quantization  # noqa: F401
+    finally:
+        torch.cuda.is_available = available
+        has_triton.cache_clear()
 
 
 def is_cpu() -> bool:

@@ -17,8 +17,6 @@ from torchtitan.models.llama3 import (
 )
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.pipeline_parallel import pipeline_llm
-from torchao.float8 import Float8LinearConfig
-from torchtitan.components.quantization import Float8LinearConverter
 from torchtitan.models.common.attention import VarlenAttention
 from torchtitan.models.llama3.model import Llama3Model
 from torchtitan.protocols.model_spec import ModelSpec
@@ -26,6 +24,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 from titan_async.core import platform
 from titan_async.model.attention import DenseDocumentAttention
 from titan_async.model.qwen3_moe import MOE_PRESETS, build_qwen3_moe_model, qwen3_moe_spec
+from titan_async.run import process
 
 # Sizes of torchtitan's llama3 flavors; "vocab_size" 0 means "the tokenizer's".
 PRESETS: dict[str, dict[str, object]] = {
@@ -171,12 +170,7 @@ def build_model_spec(section: ModelSection, tokenizer_vocab_size: int, fsdp: boo
     )
     _use_dense_attention(config, backend)
     if section.float8 != "none":
-        converter = Float8LinearConverter.Config(
-            recipe_name=section.float8, filter_fqns=["lm_head"], emulate=platform.is_cpu(), model_compile_enabled=compiled
-        ).build()
-        if platform.is_cpu():  # torchtitan emulates only the tensorwise recipe: emulate the one asked for
-            converter.torchao_config = replace(Float8LinearConfig.from_recipe_name(section.float8), emulate=True)
-        config = converter.convert(config)
+        config = _with_float8_linears(config, section.float8, compiled)
     return ModelSpec(
         name="llama3",
         flavor=section.preset,
@@ -187,6 +181,39 @@ def build_model_spec(section: ModelSection, tokenizer_vocab_size: int, fsdp: boo
         state_dict_adapter=Llama3StateDictAdapter,
     )
 
+
+def _with_float8_linears(config, recipe: str, compiled: bool):
+    """`config` with every linear but the output head a torchao float8 linear of `recipe`
+    (emulated, same recipe, on the CPU). A process that may not use the CUDA runtime (a launcher
+    on a GPU node, `process.may_use_cuda_runtime`) checks the GPU's capability by NVML and
+    returns `config` unchanged: its workers build the model and convert it."""
+    if not process.may_use_cuda_runtime():
+        _check_float8_capability(recipe)
+        return config
+    # Imported here, not at the top, which a launcher imports: torchao's modules ask the CUDA
+    # runtime about the GPU at import, unless `platform.configure` imported them with CUDA hidden.
+    from torchao.float8 import Float8LinearConfig
+    from torchtitan.components.quantization import Float8LinearConverter
+
+    converter = Float8LinearConverter.Config(
+        recipe_name=recipe, filter_fqns=["lm_head"], emulate=platform.is_cpu(), model_compile_enabled=compiled
+    ).build()
+    if platform.is_cpu():  # torchtitan emulates only the tensorwise recipe: emulate the one asked for
+        converter.torchao_config = replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    return converter.convert(config)
+
+
+FLOAT8_CAPABILITY = (8, 9)
+"""The oldest NVIDIA compute capability with float8 matrix multiplies."""
+
+
+def _check_float8_capability(recipe: str) -> None:
+    """ValueError where NVML reports a GPU older than float8 needs (SM89, torchtitan's check);
+    where NVML cannot say, the workers' conversion checks."""
+    capability = platform.cuda_capability()
+    if capability is not None and capability < FLOAT8_CAPABILITY:
+        raise ValueError(f"model.float8 = {recipe!r} needs an NVIDIA GPU of compute capability "
+                         f"{'.'.join(map(str, FLOAT8_CAPABILITY))} or later; this one has {'.'.join(map(str, capability))}")
 
 
 def _use_dense_attention(config, backend: str) -> None:

@@ -114,8 +114,9 @@ def start_method() -> str:
     """How the agent starts the workers: "fork" (no re-import of torch and torchtitan: seconds
     saved per start on a small machine), or "spawn" once this process has made a CUDA runtime
     call, after which forked workers could not use CUDA. The launcher's own checks ask NVML
-    (`platform.cuda_visible`), but a library may still reach the runtime (a float8 capability
-    check on a GPU node), so the fork is tried rather than trusted."""
+    (`platform.cuda_visible`, float8's `platform.cuda_capability`) and torchao is imported with
+    CUDA hidden (`platform.configure`), but a library may still reach the runtime, so the fork is
+    tried rather than trusted."""
     if platform.fork_keeps_cuda():
         return "fork"
     say("this process has initialised CUDA, so the workers start by spawn (each imports torch and torchtitan again)")

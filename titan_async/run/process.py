@@ -1,5 +1,6 @@
 """What this process is within its job: started by torchrun or Slurm or by titan-async itself,
-which rank and node, whether it writes the run directory, and how many restarts it has seen."""
+which rank and node, whether it writes the run directory or may use the CUDA runtime, and how
+many restarts it has seen."""
 
 from __future__ import annotations
 
@@ -18,6 +19,17 @@ was told not to: the workers it starts, which inherit it, do not check again."""
 def launched_externally() -> bool:
     """True when torchrun (or a Slurm/cluster launcher using its variables) started this process."""
     return "TORCHELASTIC_RUN_ID" in os.environ or {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= os.environ.keys()
+
+
+def may_use_cuda_runtime() -> bool:
+    """Whether this process may call the CUDA runtime: a worker may (started by torchrun, Slurm
+    or the launcher, or the launcher once it trains as the only worker: `become_single_process`),
+    and so may any process on a machine without CUDA. Any other process may be a launcher that
+    forks its workers later, which could not use CUDA after such a call
+    (`titan_async.core.platform.fork_keeps_cuda`)."""
+    from titan_async.core import platform
+
+    return platform.is_cpu() or launched_externally()
 
 
 def is_coordinator() -> bool:
