@@ -36,11 +36,16 @@ SETTINGS = (*TINY, "training.local_batch_size=8", f"training.steps={STEPS}", "ch
             "validation.enable=false", "training.max_norm=0.1", "parallelism.pipeline_parallel_microbatch_size=1")
 
 
+STREAM_MODEL = {"TITAN_ASYNC_STREAM_MODEL": "1"}
+"""Every run checks its cross-stream order against the CPU stream model (test_stream_model.py):
+a race fails the run, naming both sides."""
+
+
 def pipelined(run_dir: Path, *assignments: str, config: str = "debug_cpu_pp2.toml", nproc: int = 2) -> Path:
     """Train, logging every rank's batches under run_dir/batches and communication under run_dir/comm."""
     run_cli("train", "--config", str(CONFIGS / config), "--nproc-per-node", str(nproc), "--run-dir", str(run_dir),
             *sets(*SETTINGS, *assignments),
-            env={"TITAN_ASYNC_BATCH_LOG": str(run_dir / "batches"), "TITAN_ASYNC_COMM_LOG": str(run_dir / "comm")})
+            env={"TITAN_ASYNC_BATCH_LOG": str(run_dir / "batches"), "TITAN_ASYNC_COMM_LOG": str(run_dir / "comm"), **STREAM_MODEL})
     return run_dir
 
 
@@ -107,7 +112,7 @@ def test_2bw_with_muon_and_error_feedback_equals_the_independent_reference(tmp_p
 def resumed_at_step_3(run_dir: Path, *assignments: str, config: str = "debug_cpu_pp2.toml", nproc: int = 2) -> Path:
     """A pipelined run stopped at its step-3 checkpoint and resumed to STEPS (one lr schedule)."""
     run = pipelined(run_dir, *assignments, f"lr_scheduler.total_steps={STEPS}", "training.steps=3", config=config, nproc=nproc)
-    run_cli("resume", "--run-dir", str(run), *sets(f"training.steps={STEPS}"), env={"TITAN_ASYNC_BATCH_LOG": str(run / "batches")})
+    run_cli("resume", "--run-dir", str(run), *sets(f"training.steps={STEPS}"), env={"TITAN_ASYNC_BATCH_LOG": str(run / "batches"), **STREAM_MODEL})
     return run
 
 

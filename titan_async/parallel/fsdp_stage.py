@@ -26,16 +26,18 @@ manual finalization, an all-reduce delayed past earlier reduce-scatters
 (`set_requires_all_reduce(False)` for some backwards), is never needed: a held stage does not
 reduce-scatter between updates at all.
 
-Write fence (CUDA). FSDP2 copies shards into its all-gather buffer on its own streams,
+Write fence. FSDP2 copies shards into its all-gather buffer on its own streams,
 which wait for the compute stream only in the root pre-forward
 (torch/distributed/fsdp/_fully_shard/_fsdp_state.py, `_root_pre_forward`:
 `all_gather_copy_in_stream.wait_stream(current_stream)`; the TODO in
 `_register_root_post_backward_final_callback` says the backward does not). A streaming
 schedule writes shards between a forward and a backward (a 2BW version switch, a local
-step), so after every such write `fence()` makes both all-gather streams wait for the
-compute stream, exactly as the root pre-forward does. Writes cannot overtake an earlier
-all-gather's read: the compute stream already waited for every all-gather whose output it
-used. `reshard()` fences, since the next all-gather may reuse the memory it frees.
+step), so after every such write `fence()` makes the copy-in stream wait for the compute
+stream, as the root pre-forward does. The all-gather stream needs no wait of its own: every
+all-gather on it first waits for the copy-in stream (`foreach_all_gather`), and the stream model
+shows the second wait changes nothing (tools/stream_mutations.py). Writes cannot overtake an
+earlier all-gather's read: the compute stream already waited for every all-gather whose output
+it used. `reshard()` fences, since the next all-gather may reuse the memory it frees.
 
 Version switches (`exchange_storage`). 2BW keeps a second version of the shards and of the
 gathered parameters beside FSDP's own tensors and switches by exchanging storages, not
@@ -58,6 +60,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
 from torch.distributed.tensor import DTensor
 
+from titan_async.core import streams
+
 
 class FsdpStage:
     """The FSDP2 units of one stage module (see the module docstring)."""
@@ -70,7 +74,7 @@ class FsdpStage:
         self.modules = [m for m, _ in states.values()]
         self.states = [s for _, s in states.values()]
         self.groups = [g for s in self.states for g in s._fsdp_param_groups]
-        self.on_cuda = next(module.parameters()).device.type == "cuda"
+        self.streams = streams.for_device(next(module.parameters()).device)
         self.manual = False
 
     @classmethod
@@ -129,14 +133,11 @@ class FsdpStage:
 
     def fence(self) -> None:
         """Call after writing the shards: FSDP's next all-gather reads what was written."""
-        if not self.on_cuda:
-            return
-        current = torch.cuda.current_stream()
+        current = self.streams.current()
         contexts = {id(s._comm_ctx): s._comm_ctx for s in self.states}
         for ctx in contexts.values():
-            if hasattr(ctx, "all_gather_stream"):  # streams exist after FSDP's lazy init (the first forward)
+            if hasattr(ctx, "all_gather_copy_in_stream"):  # streams exist after FSDP's lazy init (the first forward)
                 ctx.all_gather_copy_in_stream.wait_stream(current)
-                ctx.all_gather_stream.wait_stream(current)
 
 
 def exchange_storage(holders: list[torch.Tensor], other: torch.Tensor) -> torch.Tensor:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from titan_async.core import comm_log
+from titan_async.core import comm_log, streams
 
 Mark = tuple[float, object]
-"""A point in time: host seconds, and on CUDA the event recorded on the current stream there."""
+"""A point in time: host seconds, and the event recorded on the current stream there."""
 
 
 class Timeline:
@@ -24,17 +24,18 @@ class Timeline:
     `start_window`) to its own, so host work between windows (logging, loading the next
     batch) that leaves the device idle counts in the bubble.
 
-    On CUDA the intervals are those of the GPU, measured with CUDA events (wall-clock time
-    around a launch measures only the enqueueing). Without a trace, `end_window` never waits
-    for the device: it reads the windows whose last kernel has finished (`Event.query`), so a
-    window's bubble is reported once the device has run it, a step or so late. With a trace
-    (`keep_events`) it waits for the window's end, one host sync per step.
+    The intervals are the device's, measured with events of the device's stream backend
+    (`titan_async.core.streams`; on CUDA wall-clock time around a launch measures only the
+    enqueueing, on the CPU an op has run when its call returns). Without a trace, `end_window`
+    never waits for the device: it reads the windows whose last kernel has finished
+    (`Event.query`), so a window's bubble is reported once the device has run it, a step or so
+    late. With a trace (`keep_events`) it waits for the window's end, one host sync per step.
     """
 
     def __init__(self, rank: int, keep_events: bool, device: torch.device | None = None) -> None:
         self.rank = rank
         self.keep_events = keep_events
-        self.cuda = device is not None and device.type == "cuda"
+        self.streams = streams.for_device(device or torch.device("cpu"))
         self.events: list[tuple[str, float, float]] = []
         self.pending: list[tuple[str, Mark, Mark]] = []
         self.unread: deque[tuple[Mark, Mark, list[tuple[str, Mark, Mark]]]] = deque()
@@ -42,14 +43,12 @@ class Timeline:
         self.last_bubble: float | None = None
 
     def _mark(self) -> Mark:
-        if not self.cuda:
-            return time.time(), None
-        event = torch.cuda.Event(enable_timing=True)
+        event = self.streams.event(timing=True)
         event.record()
         return time.time(), event
 
     def _seconds(self, start: Mark, end: Mark) -> float:
-        return start[1].elapsed_time(end[1]) / 1e3 if self.cuda else end[0] - start[0]
+        return start[1].elapsed_time(end[1]) / 1e3
 
     def start_window(self) -> None:
         """Open a window; it starts where the previous one ended unless `restart` came between."""
@@ -83,8 +82,6 @@ class Timeline:
 
     def _finished(self, mark: Mark) -> bool:
         event = mark[1]
-        if event is None:
-            return True
         if self.keep_events:
             event.synchronize()
             return True

@@ -36,6 +36,8 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from titan_async.core import streams
+
 ACTIVATION, GRADIENT = 0, 1
 _HEADER = 8
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
@@ -67,7 +69,7 @@ class _Inbound:
     def _read_header(self) -> None:
         header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
         dist.irecv(header, self.peer, group=self.group).wait()
-        values = header.tolist()  # one host sync, at the first message of this direction
+        values = streams.for_device(self.device).read_now(header)  # one host sync, at the first message of this direction
         self.meta = (torch.Size(values[1 : 1 + values[0]]), _DTYPES[values[-1]])
 
     def post(self) -> None:

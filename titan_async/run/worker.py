@@ -15,7 +15,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-from titan_async.core import comm_log, platform
+from titan_async.core import comm_log, platform, streams
 from titan_async.core.platform import DropMessages
 from titan_async.rundir import checkpoints, directory as runs
 from titan_async.rundir.after_save import AfterSaves
@@ -92,6 +92,7 @@ def train(run_dir: Path, verbose: bool = False, run=None) -> int:
         exit_with_parent()
     platform.configure()
     comm_log.install_from_environment()
+    streams.enable_model_from_environment()
     _setup_logging(run_dir, verbose)
     _check_cuda_usable()
     import datasets

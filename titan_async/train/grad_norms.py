@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torchtitan.distributed import utils as dist_utils
 
+from titan_async.core import streams
 from titan_async.train.late_read import LateAllReduce
 
 
@@ -52,7 +53,7 @@ class StageGradNorms:
     def read(self, key: int) -> tuple[float, list[float], list[list[float]]]:
         """Row `key`'s global norm, each stage's norm, and its per-stage values (`start`)."""
         started = self.started.pop(key)
-        summed = started.read() if isinstance(started, LateAllReduce) else started.tolist()
+        summed = started.read() if isinstance(started, LateAllReduce) else streams.for_device(started.device).read_now(started)
         squares, rest = summed[:self.stages], summed[self.stages:]
         values = [rest[i:i + self.stages] for i in range(0, len(rest), self.stages)]
         return math.sqrt(sum(squares)), [math.sqrt(s) for s in squares], values

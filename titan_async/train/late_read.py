@@ -2,56 +2,52 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 import torch.distributed as dist
 
-from titan_async.core import comm_log
+from titan_async.core import comm_log, streams
 
 
 class LateRead:
     """`value` as it is once the work queued before this call has run, read later.
 
-    On CUDA the value is copied to pinned host memory behind that work and `read` waits on
-    an event for the copy only: the host never waits for what it queued since, so the device
-    keeps running while the host reads. Elsewhere the value is read as it is.
+    The value is copied to a pinned host buffer behind that work, and `read` waits on an event
+    for the copy only: the host never waits for what it queued since, so the device keeps
+    running while the host reads.
     """
 
     def __init__(self, value: torch.Tensor) -> None:
-        self.copied = None
-        if value.device.type != "cuda":
-            self.host = value
-            return
-        self.host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+        self.streams = streams.for_device(value.device)
+        self.host = self.streams.pinned_like(value)
         self.host.copy_(value, non_blocking=True)
-        self.copied = torch.cuda.Event()
+        self.copied = self.streams.event()
         self.copied.record()
 
     def read(self) -> list:
         """The value as a (nested) Python list."""
-        if self.copied is not None:
-            self.copied.synchronize()
-        return self.host.tolist()
+        self.copied.synchronize()
+        return self.streams.read_pinned(self.host)
 
 
 class LateAllReduce:
     """`value` reduced by `op` over `group`'s ranks, started now and read later (at a later step
     boundary), without ever holding up a compute stream.
 
-    The all-reduce is issued, waited on and copied to the host on a side stream (CUDA), which
-    alone is ordered after it; on the CPU the same calls come in the same order. `read` waits
-    for the all-reduce, which every rank started a step earlier, and for its copy, never for the
-    compute queued since: no rank's compute waits at a step boundary for another rank's.
+    The all-reduce is issued, waited on and copied to the host on a side stream, which first
+    waits for the stream that wrote `value` (the one current here, taken before the side stream
+    becomes current) and alone is ordered after the all-reduce. `read` waits for the all-reduce,
+    which every rank started a step earlier, and for its copy, never for the compute queued
+    since: no rank's compute waits at a step boundary for another rank's.
     """
 
-    _side_streams: dict[torch.device, torch.cuda.Stream] = {}
+    _side_streams: dict[torch.device, object] = {}
 
     def __init__(self, value: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None = None) -> None:
-        self.value, self.side = value, self._side_stream(value.device)
+        self.value, self.streams = value, streams.for_device(value.device)
+        self.side = self._side_stream(value.device)
+        written_on = self.streams.current()
         with self._on_side():
-            if self.side is not None:
-                self.side.wait_stream(torch.cuda.current_stream(value.device))  # `value` was written on the compute stream
+            self.side.wait_stream(written_on)
             self.work = dist.all_reduce(value, op=op, group=group, async_op=True)
 
     def read(self) -> list:
@@ -62,13 +58,9 @@ class LateAllReduce:
         return copy.read()
 
     def _on_side(self):
-        stream = torch.cuda.stream(self.side) if self.side is not None else nullcontext()
-        return comm_log.on_side_stream(stream)
+        return comm_log.on_side_stream(self.streams.use(self.side))
 
-    @classmethod
-    def _side_stream(cls, device: torch.device) -> torch.cuda.Stream | None:
-        if device.type != "cuda":
-            return None
-        if device not in cls._side_streams:
-            cls._side_streams[device] = torch.cuda.Stream(device)
-        return cls._side_streams[device]
+    def _side_stream(self, device: torch.device):
+        if device not in self._side_streams:
+            self._side_streams[device] = self.streams.new_stream("late all-reduce side stream")
+        return self._side_streams[device]

@@ -14,6 +14,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.tools.logging import logger
 
+from titan_async.core import streams
 from titan_async.pipeline.config import microbatches
 from titan_async.pipeline.emulation import stage_modules, stage_view
 from titan_async.pipeline.executor import Microbatch, StageExecutor
@@ -277,9 +278,7 @@ class StreamingSteps:
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` on the training device; to a GPU through pinned memory, without a host sync."""
         device = self.trainer.device
-        if device.type != "cuda":
-            return tensor.to(device)
-        return tensor.pin_memory().to(device, non_blocking=True)
+        return streams.for_device(device).to_device(tensor, device)
 
     def _step_metrics(self, losses: list[torch.Tensor], local_valid_tokens: torch.Tensor,
                       global_valid_tokens: torch.Tensor) -> tuple[float, float, float]:
@@ -298,7 +297,7 @@ class StreamingSteps:
         else:
             loss = max_loss = torch.full((), -1.0, dtype=torch.float64, device=device)
             tokens = dist_utils.dist_sum_tensor(tokens.reshape(1), mesh).reshape(())
-        return tuple(torch.stack([loss, max_loss, tokens]).tolist())
+        return tuple(streams.for_device(device).read_now(torch.stack([loss, max_loss, tokens])))
 
     def _split_for_emulation(self, batches: list) -> list:
         """The emulation loads whole batches (no PP): cut each into its pipeline microbatches."""

@@ -1,0 +1,550 @@
+"""CUDA's stream semantics on the CPU: the streams, events, stream contexts, cross-stream waits,
+non-blocking copies, pinned buffers and `record_stream` calls of `titan_async.core.streams`, executed
+in issue order, and (once `enable`d) a checker that reports every cross-stream use of memory that
+no happens-before edge orders: a race, naming both sides.
+
+The rules modelled, as CUDA and torch 2.15 define them:
+- Kernels on one stream run in issue order. The host issues them, so a kernel is ordered after
+  every host action (a host write, a synchronize) that came before its issue.
+- `a.wait_stream(b)` orders a's later kernels after the kernels issued to b so far;
+  `a.wait_event(e)` after those `e` recorded; `e.synchronize()`, `s.synchronize()` and a host
+  read of a device value (`.item()`) order the host after them.
+- A collective or point-to-point op runs on its process group's stream (one per group for
+  collectives, one per group and peer for point-to-point, as ProcessGroupNCCL keys them), which
+  waits for the stream current at issue. Its tensors are safe on a stream only once `work.wait()`
+  was called there; a blocking call makes that wait on the current stream. Functional collectives
+  (`torch.ops._c10d_functional`) are waited by `wait_tensor`.
+- A freed block goes back to the pool of the stream that allocated it, whose next allocation may
+  reuse it at once (the caching allocator's per-stream pools): every use of the block on another
+  stream must be ordered before the free, on that stream or on the host, unless `record_stream`
+  named that stream (the allocator then delays the reuse until that use ends).
+- The host reads pinned memory (`read_pinned`) only once a sync orders it after the copy that
+  wrote it; a host read of device memory (`read_now`, `.item()`) waits for the current stream.
+
+Happens-before is kept with vector clocks, one counter per stream and one for the host, as
+torch's CUDA sanitizer (torch/cuda/_sanitizer.py) keeps it. Memory is tracked per storage: every
+aten op seen by a dispatch mode reads the tensors of its read-only arguments and writes those of
+its mutable arguments and its new outputs, on the stream current at issue (DTensors by their local
+tensor). `enable` also makes `torch.cpu`'s stream stubs this model's, so FSDP2's own streams on the
+CPU (copy-in, all-gather, reduce-scatter) take part. On the CPU every op has run when its call
+returns: the model changes no value, it only judges the order.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+HOST = 0
+"""The host's index in every clock."""
+
+
+class StreamRace(RuntimeError):
+    """A use of memory on one stream that no happens-before edge orders after a use on another."""
+
+
+@dataclass(frozen=True)
+class Access:
+    stream: int
+    seq: int
+    kind: str  # "read", "write"
+    op: str
+    where: str
+
+    def describe(self, model: StreamModel) -> str:
+        return f"{self.kind} on the {model.names[self.stream]} by {self.op} at {self.where}"
+
+
+@dataclass
+class Block:
+    """The uses of one storage since its allocation."""
+
+    allocated_on: int
+    write: Access | None = None
+    reads: list[Access] = field(default_factory=list)
+    recorded: set[int] = field(default_factory=set)
+    label: str = ""
+    storage: torch.UntypedStorage | None = None
+    """Held once the block is used on a second stream, to see when the program frees it."""
+
+    def uses(self) -> list[Access]:
+        return ([self.write] if self.write else []) + self.reads
+
+
+class ModelStream:
+    """A stream of the model (the `torch.cpu.Stream` signature, so that FSDP2 can create one)."""
+
+    def __init__(self, priority: int = 0, name: str | None = None, model: StreamModel | None = None) -> None:
+        self.model = model or MODEL
+        self.clock: dict[int, int] = {}
+        self.index = self.model._register(self, name or f"stream {len(self.model.names)} (made at {_where()})")
+        self.priority = priority
+
+    @property
+    def name(self) -> str:
+        return self.model.names[self.index]
+
+    def wait_stream(self, other: ModelStream) -> None:
+        if isinstance(other, ModelStream):
+            _join(self.clock, other.clock)
+
+    def wait_event(self, event: ModelEvent) -> None:
+        if isinstance(event, ModelEvent) and event.clock is not None:
+            _join(self.clock, event.clock)
+
+    def record_event(self, event: ModelEvent | None = None) -> ModelEvent:
+        event = event or ModelEvent()
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        _join(self.model.host, self.clock)
+
+    def query(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"<model stream: {self.name}>"
+
+
+class ModelEvent:
+    """An event of the model (`torch.cpu.Event`'s and `torch.cuda.Event`'s signatures)."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
+                 model: StreamModel | None = None) -> None:
+        self.model = model or MODEL
+        self.clock: dict[int, int] | None = None
+        self.time: float | None = None
+
+    def record(self, stream: ModelStream | None = None) -> None:
+        stream = stream or self.model.current()
+        self.model.issue(stream)
+        self.clock, self.time = dict(stream.clock), time.time()
+
+    def wait(self, stream: ModelStream | None = None) -> None:
+        (stream or self.model.current()).wait_event(self)
+
+    def synchronize(self) -> None:
+        if self.clock is not None:
+            _join(self.model.host, self.clock)
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: ModelEvent) -> float:
+        """Milliseconds between the two records (host time: on the CPU an op has run when issued)."""
+        return (end.time - self.time) * 1e3
+
+
+class StreamModel:
+    """The streams of this process, their clocks and, while checking, the uses of memory."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = ["host"]
+        self.streams: list[ModelStream | None] = [None]
+        self.host: dict[int, int] = {HOST: 0}
+        self.local = threading.local()
+        self.compute = ModelStream(name="compute stream", model=self)
+        self.comm_streams: dict[tuple, ModelStream] = {}
+        self.blocks: dict[int, Block] = {}
+        self.shared: dict[int, Block] = {}
+        """Blocks used on a stream other than their allocator's, until the program frees them."""
+        self.works: dict[int, tuple[object, dict[int, int]]] = {}
+        self.functional: dict[int, dict[int, int]] = {}
+        self.checking = False
+        self.races: list[str] = []
+        self.raise_on_race = True
+
+    def _register(self, stream: ModelStream, name: str) -> int:
+        self.names.append(name)
+        self.streams.append(stream)
+        return len(self.names) - 1
+
+    # -- the backend interface of titan_async.core.streams ---------------------------------------
+
+    def current(self) -> ModelStream:
+        return getattr(self.local, "stream", None) or self.compute
+
+    def new_stream(self, name: str) -> ModelStream:
+        return ModelStream(name=name, model=self)
+
+    @contextmanager
+    def use(self, stream: ModelStream | None):
+        """Make `stream` current in this thread (None: leave it), as `torch.cuda.stream` does."""
+        if stream is None:
+            yield
+            return
+        previous = getattr(self.local, "stream", None)
+        self.local.stream = stream
+        try:
+            yield
+        finally:
+            self.local.stream = previous
+
+    def event(self, timing: bool = False) -> ModelEvent:
+        return ModelEvent(enable_timing=timing, model=self)
+
+    def pinned_like(self, value: torch.Tensor) -> torch.Tensor:
+        """A host buffer for `value` (page-locked on a GPU)."""
+        return torch.empty(value.shape, dtype=value.dtype)
+
+    def read_pinned(self, tensor: torch.Tensor) -> list:
+        """`tensor` (pinned host memory) as a list, read by the host now."""
+        if self.checking:
+            self._access(tensor, HOST, self._host_issue(), "read", "host read", _where())
+        return tensor.tolist()
+
+    def read_now(self, tensor: torch.Tensor) -> list:
+        """`tensor` (device memory) as a list: copied on the current stream, which the host waits for."""
+        if self.checking:
+            stream = self.current()
+            self._access(tensor, stream.index, self.issue(stream), "read", "copy to the host", _where())
+            _join(self.host, stream.clock)
+        return tensor.tolist()
+
+    def to_device(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """`tensor` (host memory) on `device`: written by the host into a pinned buffer, copied on the
+        current stream; the buffer is reused only once the copy has run (CUDA's pinned allocator
+        records an event for it)."""
+        pinned = self.pinned_like(tensor)
+        with self.paused():
+            pinned.copy_(tensor)
+        if self.checking:
+            self._allocate(pinned, HOST)
+            self._access(pinned, HOST, self._host_issue(), "write", "host write", _where())
+        copy = pinned.to(device, copy=True)
+        self.record_stream(pinned, self.current())  # the pinned allocator records the copy's stream
+        return copy
+
+    def record_stream(self, tensor: torch.Tensor, stream: ModelStream) -> None:
+        """The block of `tensor` is used on `stream`: the allocator delays its reuse until that use ends."""
+        if self.checking and (key := _storage_key(tensor)) is not None:
+            self._block(key).recorded.add(stream.index)
+
+    # -- clocks --------------------------------------------------------------------------------
+
+    def issue(self, stream: ModelStream) -> int:
+        """Issue one operation on `stream`: ordered after the host's past and the stream's queue."""
+        _join(stream.clock, self.host)
+        stream.clock[stream.index] = stream.clock.get(stream.index, 0) + 1
+        return stream.clock[stream.index]
+
+    def _host_issue(self) -> int:
+        self.host[HOST] += 1
+        return self.host[HOST]
+
+    def _clock_of(self, stream: int) -> dict[int, int]:
+        return self.host if stream == HOST else self.streams[stream].clock
+
+    def synchronize(self) -> None:
+        """The host waits for every stream (`torch.cuda.synchronize`)."""
+        for stream in self.streams[1:]:
+            _join(self.host, stream.clock)
+
+    def comm_stream(self, group: str, peer: int | None) -> ModelStream:
+        key = (group, peer)
+        if key not in self.comm_streams:
+            name = f"stream of group {group}" + (f" to peer {peer}" if peer is not None else "")
+            self.comm_streams[key] = ModelStream(name=name, model=self)
+        return self.comm_streams[key]
+
+    # -- memory --------------------------------------------------------------------------------
+
+    def _block(self, key: int) -> Block:
+        if key not in self.blocks:
+            self.blocks[key] = Block(allocated_on=self.compute.index)
+        return self.blocks[key]
+
+    def _allocate(self, tensor: torch.Tensor, stream: int) -> None:
+        """A new storage for `tensor`, allocated on `stream` (what the address held before was freed)."""
+        key = _storage_key(tensor)
+        if key is not None:
+            self.blocks[key] = Block(allocated_on=stream, label=_label(tensor))
+
+    def _check_frees(self, where: str) -> None:
+        """Blocks the program freed since the last op: every use on another stream than the
+        allocator's must be ordered before the free (on the allocator's stream or the host), or
+        named by `record_stream`."""
+        freed = [key for key, block in self.shared.items() if torch._C._storage_Use_Count(block.storage._cdata) == 1]
+        for key in freed:
+            block = self.shared.pop(key)
+            block.storage = None
+            self.blocks.pop(key, None)
+            clock = dict(self._clock_of(block.allocated_on))
+            _join(clock, self.host)
+            for use in block.uses():
+                if use.stream not in (block.allocated_on, *block.recorded) and clock.get(use.stream, 0) < use.seq:
+                    self._race(f"{block.label} allocated on the {self.names[block.allocated_on]} was freed (seen at "
+                               f"{where}) while its {use.describe(self)} may still run: no wait, event or "
+                               f"record_stream orders its reuse after that use")
+                    break
+
+    def _access(self, tensor: torch.Tensor, stream: int, seq: int, kind: str, op: str, where: str) -> None:
+        key = _storage_key(tensor)
+        if key is None:
+            return
+        block = self._block(key)
+        if not block.label:
+            block.label = _label(tensor)
+        if stream != block.allocated_on and block.storage is None:
+            block.storage = tensor.untyped_storage()
+            self.shared[key] = block
+        access = Access(stream, seq, kind, op, where)
+        clock = self._clock_of(stream)
+        earlier = block.uses() if kind == "write" else [block.write] if block.write else []
+        for use in earlier:
+            if use.stream != stream and clock.get(use.stream, 0) < use.seq:
+                self._race(f"{block.label}: {access.describe(self)} is not ordered after its {use.describe(self)}")
+                break
+        if kind == "write":
+            block.write, block.reads = access, []
+        else:
+            block.reads.append(access)
+
+    def _race(self, message: str) -> None:
+        self.races.append(message)
+        if self.raise_on_race:
+            raise StreamRace(f"stream race: {message}")
+
+    @contextmanager
+    def paused(self):
+        """Ops run here are the model's own bookkeeping, not the program's."""
+        mode = getattr(self.local, "mode", None)
+        if mode is None:
+            yield
+            return
+        with torch.utils._python_dispatch._disable_current_modes():
+            yield
+
+    # -- what the dispatch mode sees -----------------------------------------------------------
+
+    def kernel(self, func, args, kwargs, out, stream: ModelStream, issuer: ModelStream | None = None) -> None:
+        """Record `func`'s reads and writes on `stream` (issued now). New outputs are allocated on
+        `issuer` (the stream current at issue; `stream` if None). A process group's stream
+        (`stream` not `issuer`) holds the tensors it uses until its work completes (ProcessGroupNCCL
+        stashes them), as `record_stream` would."""
+        if func in _METADATA_ONLY or func.is_view:
+            return
+        name, where = func._schema.name, _where()
+        if self.shared:
+            self._check_frees(where)
+        issuer = issuer or stream
+        seq = self.issue(stream)
+        written, read = _arguments(func, args, kwargs)
+        inputs = {_storage_key(t) for t in written + read}
+        fresh = [t for t in _tensors(out) if _storage_key(t) not in inputs]
+        for tensor in fresh:
+            self._allocate(tensor, issuer.index)
+        for kind, tensors in (("read", read), ("write", written + fresh)):
+            for tensor in tensors:
+                self._access(tensor, stream.index, seq, kind, name, where)
+                if issuer is not stream:
+                    self.record_stream(tensor, stream)
+        if func is torch.ops.aten._local_scalar_dense.default:
+            _join(self.host, stream.clock)
+
+    def collective(self, func, args, kwargs):
+        """A c10d op: on its group's stream, which waits for the current stream; its work, once
+        waited on a stream, orders that stream after it."""
+        group, peer = _group_and_peer(func, args)
+        stream = self.comm_stream(group, peer)
+        stream.wait_stream(self.current())
+        out = func(*args, **kwargs)
+        self.kernel(func, args, kwargs, out, stream, issuer=self.current())
+        works = [o for o in _flat(out) if isinstance(o, torch.ScriptObject)]
+        for boxed in works:
+            work = torch._C._distributed_c10d.Work.unbox(boxed)
+            self.works[id(work)] = (work, dict(stream.clock))
+        return out
+
+    def functional_collective(self, func, args, kwargs):
+        """A `_c10d_functional` op: on its group's stream; `wait_tensor` of its output waits for it."""
+        if func in (torch.ops._c10d_functional.wait_tensor.default, torch.ops._c10d_functional.wait_tensors.default):
+            out = func(*args, **kwargs)
+            for tensor in _tensors(args):
+                self.wait_tensor(tensor)
+            return out
+        if func is torch.ops._c10d_functional._wrap_tensor_autograd.default:
+            return func(*args, **kwargs)  # wraps the output in an AsyncCollectiveTensor, which waits at its first use
+        names = [argument.name for argument in func._schema.arguments]
+        group = kwargs.get("group_name", args[names.index("group_name")] if len(args) > names.index("group_name") else None)
+        stream = self.comm_stream(group if isinstance(group, str) else getattr(group, "group_name", "?"), None)
+        stream.wait_stream(self.current())
+        out = func(*args, **kwargs)
+        self.kernel(func, args, kwargs, out, stream, issuer=self.current())
+        for tensor in _tensors(out):
+            self.functional[_storage_key(tensor)] = dict(stream.clock)
+        return out
+
+    def wait_tensor(self, tensor: torch.Tensor) -> None:
+        """The current stream waits for the functional collective that produced `tensor`."""
+        clock = self.functional.get(_storage_key(tensor))
+        if clock is not None:
+            _join(self.current().clock, clock)
+
+    def waited(self, work) -> None:
+        """`work.wait()` on the current stream."""
+        entry = self.works.get(id(work))
+        if entry is not None and entry[0] is work:
+            _join(self.current().clock, entry[1])
+
+
+_METADATA_ONLY = (torch.ops.aten.set_.source_Storage, torch.ops.aten.set_.source_Storage_storage_offset,
+                  torch.ops.aten.set_.source_Tensor, torch.ops.aten.set_.default, torch.ops.aten.resize_.default)
+"""Ops that change which memory a tensor views, not the memory."""
+
+
+def _join(clock: dict[int, int], other: dict[int, int]) -> None:
+    for stream, seq in other.items():
+        if clock.get(stream, 0) < seq:
+            clock[stream] = seq
+
+
+def _flat(value) -> list:
+    if isinstance(value, (list, tuple)):
+        return [item for v in value for item in _flat(v)]
+    return [value]
+
+
+def _local(tensor):
+    """The plain tensor holding a DTensor's or an AsyncCollectiveTensor's values."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        return tensor._local_tensor
+    return tensor.elem if isinstance(tensor, AsyncCollectiveTensor) else tensor
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [_local(v) for v in _flat(value) if isinstance(v, torch.Tensor)]
+
+
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    """The storage `tensor` uses (its address), or None for what holds no CPU memory."""
+    if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
+        return None
+    if tensor.device.type != "cpu" or tensor.is_sparse or tensor.numel() == 0:
+        return None
+    key = tensor.untyped_storage().data_ptr()
+    return key or None
+
+
+def _arguments(func, args, kwargs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The tensors `func` writes and reads: by its schema's mutable arguments; c10d's schemas mark
+    none, so there every tensor but an input (or what `send` sends) is written."""
+    written, read = [], []
+    c10d = func.namespace == "c10d"
+    for index, argument in enumerate(func._schema.arguments):
+        if index < len(args):
+            value = args[index]
+        elif argument.name in kwargs:
+            value = kwargs[argument.name]
+        else:
+            continue
+        if c10d:
+            mutable = "input" not in argument.name and func._schema.name != "c10d::send"
+        else:
+            mutable = argument.alias_info is not None and argument.alias_info.is_write
+        (written if mutable else read).extend(_tensors(value))
+    return written, read
+
+
+def _group_and_peer(func, args) -> tuple[str, int | None]:
+    group = "?"
+    for arg in args:
+        if isinstance(arg, torch.ScriptObject):
+            try:
+                group = torch._C._distributed_c10d.ProcessGroup.unbox(arg).group_name
+                break
+            except Exception:
+                continue
+    if func._schema.name in ("c10d::send", "c10d::recv_"):
+        return group, int(args[2])
+    return group, None
+
+
+def _label(tensor: torch.Tensor) -> str:
+    return f"a {tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} tensor"
+
+
+_OWN = ("titan_async/core/stream_model.py", "titan_async/core/streams.py", "contextlib.py")
+
+
+def _where() -> str:
+    """Where the program issued the op: its innermost frame outside torch and this model, after
+    the innermost frame of torch.distributed (FSDP, c10d) when one came between."""
+    library = None
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        location = f"{'/'.join(path.split('/')[-2:])}:{frame.f_lineno}"
+        if "/torch/distributed/" in path:
+            library = library or location
+        elif "/torch/" not in path and not path.endswith(_OWN):
+            return f"{location} (in {library})" if library else location
+        frame = frame.f_back
+    return library or "?"
+
+
+class _Checker(TorchDispatchMode):
+    """Sees every op this thread runs and records it in the model."""
+
+    def __init__(self, model: StreamModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        model = self.model
+        for tensor in _flat((args, list(kwargs.values()))):
+            if isinstance(tensor, AsyncCollectiveTensor) and not tensor.completed:  # its dispatch waits (unseen here)
+                model.wait_tensor(tensor.elem)
+        if func.namespace == "c10d":
+            return model.collective(func, args, kwargs)
+        if func.namespace == "_c10d_functional":
+            return model.functional_collective(func, args, kwargs)
+        out = func(*args, **kwargs)
+        model.kernel(func, args, kwargs, out, model.current())
+        return out
+
+
+MODEL = StreamModel()
+"""This process's model: the CPU backend of `titan_async.core.streams`."""
+
+_installed: _Checker | None = None
+
+
+def enable(raise_on_race: bool = True) -> StreamModel:
+    """Check this thread's ops against the model from now on (idempotent); FSDP2's streams on the
+    CPU and `Work.wait` become the model's."""
+    global _installed
+    MODEL.raise_on_race = raise_on_race
+    if _installed is not None:
+        return MODEL
+    import torch.cpu
+
+    torch.cpu.Stream = ModelStream
+    torch.cpu.Event = ModelEvent
+    torch.cpu.current_stream = lambda device=None: MODEL.current()
+    torch.cpu.stream = MODEL.use
+    torch.cpu.synchronize = lambda device=None: MODEL.synchronize()
+    work_class = torch._C._distributed_c10d.Work
+    original_wait = work_class.wait
+
+    def wait(self, *args, **kwargs):
+        MODEL.waited(self)  # before: gloo's wait may copy the result on the current stream
+        return original_wait(self, *args, **kwargs)
+
+    work_class.wait = wait
+    _installed = _Checker(MODEL)
+    _installed.__enter__()
+    MODEL.local.mode = _installed
+    MODEL.checking = True
+    return MODEL
