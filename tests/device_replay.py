@@ -6,17 +6,22 @@ logged order (independently of the code that wrote the log):
 
 - Each rank has one compute stream. A logged action (`compute`: F, B, I, W or O) runs on it for
   the cost of its letter, after everything queued before it.
-- An operation (send, receive, batch, collective) is issued where the compute stream then is:
-  NCCL's stream waits for the issuing stream, so the operation starts once the compute queued
-  before it has run and its own communicator stream (`nccl_model.Unit.stream`) has finished
-  the operation before it. It completes when every partner has started it (messages and
-  collectives take no time of their own here: the replay is about waiting, not bandwidth).
+- An operation (send, receive, batch, collective) starts once the compute it is ordered after
+  has run and its own communicator stream (`nccl_model.Unit.stream`) has finished the operation
+  before it. Which compute that is comes from the log, as the stream model recorded it
+  (`titan_async.core.comm_log`, "issue edges"): an operation whose `after` reaches into the
+  latest compute action is ordered after everything the compute stream was given so far (its
+  stream waited for the compute stream), one with an older `after` only after the compute action
+  that held that position. An operation whose `writes` exceeds its `after` uses a tensor the
+  compute stream writes after the point it is ordered after: a *race*. It completes when every
+  partner has started it (messages and collectives take no time of their own here: the replay
+  is about waiting, not bandwidth).
 - A wait logged on the compute stream holds that stream until the operation completes. A
   wait on a side stream holds no compute; the host reads its result behind it, so the host
   does not issue later work until it completes (the host is otherwise infinitely fast).
 
-It reports each rank's compute intervals, its window ends (device time at each step marker)
-and every *stall*: a compute-stream wait, outside drains, on a collective of ranks of more
+It reports each rank's compute intervals, its window ends (device time at each step marker),
+every race and every *stall*: a compute-stream wait, outside drains, on a collective of ranks of more
 than one pipeline stage that holds the compute stream up, which makes a stage wait for
 another stage's progress at a step boundary. torchtitan's barrier after a process's first step
 is reported apart (`DeviceReplay.start_barriers`).
@@ -51,6 +56,7 @@ class DeviceReplay:
     ranks: dict[int, RankTimes]
     stalls: list[str]
     stuck: dict[int, str]
+    races: list[str] = field(default_factory=list)
     start_barriers: list[str] = field(default_factory=list)
     """Stalls on torchtitan's barrier after a process's first step (`set_pg_timeouts`, which
     also synchronises the device): one flush per start or restart, by design, kept apart."""
@@ -119,7 +125,23 @@ def replay(logs: dict[int, list[dict]], stage_of: Callable[[int], int], costs: d
     draining = {rank: True for rank in logs}
     first_step: dict[int, int] = {}
     stalls: list[str] = []
+    races: list[str] = []
     start_barriers: list[str] = []
+    marks: dict[int, list[tuple[int, float]]] = {rank: [] for rank in logs}
+    """Per rank, each compute action's position and device end time, in issue order."""
+
+    def ordered_after(rank: int, record: dict) -> float:
+        """The device time of the compute the operation `record` is ordered after (its issue edge)."""
+        if "after" not in record:
+            raise ValueError(f"rank {rank}'s log has no issue edges ({record}): record it under the stream model "
+                             "(TITAN_ASYNC_STREAM_MODEL=1)")
+        if record.get("writes", 0) > record["after"]:
+            races.append(f"rank {rank}, step {step[rank]}: {record['op']}#{record['id']} is ordered after compute "
+                         f"position {record['after']} but uses what the compute stream wrote at {record['writes']}")
+        if not marks[rank] or record["after"] > marks[rank][-1][0]:
+            return compute[rank]
+        return max((end for position, end in marks[rank] if position < record["after"]), default=0.0)
+
     progress = True
     while progress:
         progress = False
@@ -131,6 +153,7 @@ def replay(logs: dict[int, list[dict]], stage_of: Callable[[int], int], costs: d
                     begin = max(compute[rank], host[rank])
                     compute[rank] = begin + costs[record["action"].lstrip("0123456789")[0]]
                     times[rank].actions.append((record["action"], begin, compute[rank]))
+                    marks[rank].append((record.get("position", 0), compute[rank]))
                 elif op in ("step", "drain"):
                     if step[rank] is not None and not draining[rank] and times[rank].actions:
                         times[rank].window_end[step[rank]] = times[rank].actions[-1][2]
@@ -141,7 +164,7 @@ def replay(logs: dict[int, list[dict]], stage_of: Callable[[int], int], costs: d
                         first_step.setdefault(rank, step[rank])
                     draining[rank] = op == "drain"
                 elif op in ("send", "recv", "batch", "coll"):
-                    issued[id(by_id[(rank, record["id"])])] = max(compute[rank], host[rank])
+                    issued[id(by_id[(rank, record["id"])])] = max(ordered_after(rank, record), host[rank])
                 elif op == "wait":
                     unit = by_id[(rank, record["id"])]
                     done = end(unit)
@@ -159,7 +182,7 @@ def replay(logs: dict[int, list[dict]], stage_of: Callable[[int], int], costs: d
                 position[rank] += 1
                 progress = True
     stuck = {rank: str(logs[rank][position[rank]]) for rank in logs if position[rank] < len(logs[rank])}
-    return DeviceReplay(times, stalls, stuck, start_barriers)
+    return DeviceReplay(times, stalls, stuck, races, start_barriers)
 
 
 def assert_flows_as_simulated(directory: Path, schedule: str, stages: int, microbatches: int, ranks_per_stage: int = 1,
@@ -168,7 +191,7 @@ def assert_flows_as_simulated(directory: Path, schedule: str, stages: int, micro
     share of its steady windows is within 5 points of the simulator's prediction for the same
     unit costs (`titan_async.pipeline.simulation`, written from the schedule's definition)."""
     result = replay(nccl_model.read_logs(directory), lambda rank: rank // ranks_per_stage)
-    assert not result.stuck and not result.stalls, (result.stuck, result.stalls[:4])
+    assert not result.stuck and not result.stalls and not result.races, (result.stuck, result.stalls[:4], result.races[:4])
     predicted = simulate(schedule, stages, microbatches, Costs.uniform(stages, UNIT_COSTS["F"], UNIT_COSTS["B"], UNIT_COSTS["O"]),
                          accumulation=accumulation).bubble
     for rank in result.ranks:

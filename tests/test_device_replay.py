@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import device_replay
 
 GROUPS = [{"op": "group", "group": "w", "ranks": [0, 1]}, {"op": "group", "group": "p", "ranks": [0, 1]}]
@@ -44,11 +46,33 @@ def two_stages(agreement_wait: str) -> dict[int, list[dict]]:
     return {0: first, 1: last}
 
 
+def replay(logs: dict[int, list[dict]], stage_of=lambda rank: rank, stale_agreement: bool = False) -> device_replay.DeviceReplay:
+    """`device_replay.replay` of `logs` with the issue edges the stream model records when every
+    operation's stream waited for the compute stream (each action one kernel): `after` and
+    `writes` are the compute position at issue. With `stale_agreement`, the world all-reduces are
+    those of a side stream that waited on itself (the defect the stream model found): ordered
+    only after the compute of the previous step boundary, while they use what the compute stream
+    wrote since."""
+    position, last_boundary = 0, 0
+    for records in logs.values():
+        position = last_boundary = 0
+        for record in records:
+            if record["op"] == "compute":
+                record["position"] = position
+                position += 1
+            elif record["op"] in ("send", "recv", "batch", "coll"):
+                stale = stale_agreement and record.get("kind") == "all_reduce" and record["group"] == "w"
+                record["after"], record["writes"] = (last_boundary if stale else position), position
+                if stale:
+                    last_boundary = position
+    return device_replay.replay(logs, stage_of)
+
+
 def test_times_of_a_two_stage_stream_worked_by_hand():
     """F = 1, B = 2. Rank 0: 0F0 [0, 1]; its gradient arrives when 1B0 ends (1 + 1 + 2 = 4), so
     0B0 runs [4, 6]; the next 0F1 may start at 6. Rank 1: 1F0 [1, 2], 1B0 [2, 4]; the next
     activation is sent after 0F1 [6, 7], so 1F1 runs [7, 8]."""
-    result = device_replay.replay(two_stages("side"), lambda rank: rank)
+    result = replay(two_stages("side"))
     assert not result.stuck and not result.stalls
     assert result.ranks[0].actions == [("0F0", 0, 1), ("0B0", 4, 6), ("0F1", 6, 7), ("0B1", 10, 12)]
     assert result.ranks[1].actions == [("1F0", 1, 2), ("1B0", 2, 4), ("1F1", 7, 8), ("1B1", 8, 10)]
@@ -65,28 +89,28 @@ def slower_last_stage(logs: dict[int, list[dict]]) -> dict[int, list[dict]]:
 
 def test_an_all_reduce_waited_at_once_on_the_compute_stream_is_a_stall():
     """Rank 0 reaches the step boundary at 6 and waits for rank 1's all-reduce, issued at 6.5."""
-    result = device_replay.replay(slower_last_stage(two_stages("compute")), lambda rank: rank)
+    result = replay(slower_last_stage(two_stages("compute")))
     assert result.stalls == ["rank 0, step 1: the compute stream waits 0.50 for all_reduce@w#3"]
     assert result.ranks[0].actions[2] == ("0F1", 6.5, 7.5)
     assert result.ranks[1].actions[7] == ("1F1", 7.5, 8.5)
 
 
 def test_the_same_all_reduce_on_a_side_stream_holds_no_compute():
-    result = device_replay.replay(slower_last_stage(two_stages("side")), lambda rank: rank)
+    result = replay(slower_last_stage(two_stages("side")))
     assert not result.stalls
     assert result.ranks[0].actions[2] == ("0F1", 6, 7)
 
 
 def test_collectives_inside_one_stage_are_no_stall():
     """Both ranks in one stage (an FSDP group): the wait delays, but on no other stage."""
-    result = device_replay.replay(slower_last_stage(two_stages("compute")), lambda rank: 0)
+    result = replay(slower_last_stage(two_stages("compute")), lambda rank: 0)
     assert not result.stalls and result.ranks[0].actions[2] == ("0F1", 6.5, 7.5)
 
 
 def test_the_stop_agreement_as_it_was_stalls_in_the_replay():
     """`with_immediate_world_waits` turns the side-stream agreement into the former one."""
     before = device_replay.with_immediate_world_waits(slower_last_stage(two_stages("side")))
-    assert device_replay.replay(before, lambda rank: rank).stalls == ["rank 0, step 1: the compute stream waits 0.50 for all_reduce@w#3"]
+    assert replay(before).stalls == ["rank 0, step 1: the compute stream waits 0.50 for all_reduce@w#3"]
 
 
 def test_torchtitans_barrier_after_the_first_step_is_kept_apart():
@@ -97,11 +121,27 @@ def test_torchtitans_barrier_after_the_first_step_is_kept_apart():
         for record in records:
             if record.get("kind") == "all_reduce":
                 record["kind"] = "barrier"
-    result = device_replay.replay(logs, lambda rank: rank)
+    result = replay(logs)
     assert result.start_barriers == ["rank 0, step 1: the compute stream waits 0.50 for barrier@w#3"] and not result.stalls
     for records in logs.values():
         for record in records:
             if record["op"] == "step":
                 record["step"] += 1
     logs[0].insert(2, {"op": "step", "step": 1})  # rank 0 started a step earlier: its barrier is in its second step
-    assert device_replay.replay(logs, lambda rank: rank).stalls == ["rank 0, step 2: the compute stream waits 0.50 for barrier@w#3"]
+    assert replay(logs).stalls == ["rank 0, step 2: the compute stream waits 0.50 for barrier@w#3"]
+
+
+def test_a_side_stream_that_waited_on_itself_replays_as_a_race():
+    """The stop agreement as the stream model found it: the side stream's all-reduce is ordered
+    after the compute of the previous boundary only, and uses the stop code written since. The
+    replay takes the edge from the log (the all-reduce may start before the step's compute) and
+    names the race; with the edge the fix records, none."""
+    assert not replay(two_stages("side")).races
+    racy = replay(two_stages("side"), stale_agreement=True)
+    assert racy.races and all("coll#" in race and "uses what the compute stream wrote" in race for race in racy.races), racy.races
+    assert "rank 0, step 1: coll#3 is ordered after compute position 0 but uses what the compute stream wrote at 2" in racy.races
+
+
+def test_a_log_without_issue_edges_is_refused():
+    with pytest.raises(ValueError, match="no issue edges"):
+        device_replay.replay(two_stages("side"), lambda rank: rank)

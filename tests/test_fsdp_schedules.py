@@ -24,7 +24,7 @@ PP_FSDP = ("--config", str(CONFIGS / "debug_cpu_pp2_fsdp2.toml"), "--nproc-per-n
 
 def train(run_dir, *assignments, layout=PP_FSDP):
     """Train; every rank's communication is logged under run_dir/comm for the NCCL model."""
-    run_cli("train", *layout, "--run-dir", str(run_dir), *sets(*EXACT, *assignments), env={"TITAN_ASYNC_COMM_LOG": str(run_dir / "comm")})
+    run_cli("train", *layout, "--run-dir", str(run_dir), *sets(*EXACT, *assignments), env={"TITAN_ASYNC_COMM_LOG": str(run_dir / "comm"), "TITAN_ASYNC_STREAM_MODEL": "1"})
     return run_dir
 
 

@@ -188,7 +188,7 @@ EXACT = (*TINY, "training.local_batch_size=8", f"training.steps={STEPS}", "check
 def train(run_dir, *assignments, nproc="1", config="debug_cpu.toml"):
     """Train; every rank's communication is logged under run_dir/comm for the NCCL model."""
     run_cli("train", "--config", str(CONFIGS / config), "--nproc-per-node", nproc, "--run-dir", str(run_dir),
-            *sets(*EXACT, *assignments), env={"TITAN_ASYNC_COMM_LOG": str(run_dir / "comm")})
+            *sets(*EXACT, *assignments), env={"TITAN_ASYNC_COMM_LOG": str(run_dir / "comm"), "TITAN_ASYNC_STREAM_MODEL": "1"})
     return run_dir
 
 

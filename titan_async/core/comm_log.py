@@ -18,6 +18,12 @@ own helpers are seen too) and records, per call:
   `<stage>F<k>`, `<stage>B<k>`, `<stage>O<step>`), `{"op": "step", "step"}` when a training step
   starts and `{"op": "drain"}` when a streaming schedule drains (`note`): what a replay in device
   time needs besides the communication.
+- Under the stream model (`TITAN_ASYNC_STREAM_MODEL`), the issue edges: every operation's
+  `"after"` (the compute stream's position its stream is ordered after when it is issued) and
+  `"writes"` (the latest position of the compute stream that wrote one of its tensors), and every
+  compute marker's `"position"` (the compute stream's position when the action is issued; its
+  kernels come after it). An operation issued from a stream that never waited for the compute
+  stream has `after` < `writes`: it may read its tensors before they are written.
 
 Peers are global ranks. torch 2.15's FSDP2 gathers and reduces through
 `all_gather_single` and `reduce_scatter_single`, which are recorded like the others.
@@ -40,6 +46,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+from titan_async.core import stream_model
 
 ENVIRONMENT_VARIABLE = "TITAN_ASYNC_COMM_LOG"
 _P2P = ("isend", "irecv", "send", "recv")
@@ -109,10 +117,11 @@ class CommLog:
         return getattr(self.local, "depth", 0) > 0
 
     def call(self, record: dict, blocking: bool, function, *args, **kwargs):
-        """Record `record` with a new id, run `function` with nested calls unrecorded, and
-        wrap its work (or record the wait a blocking call implies)."""
+        """Record `record` with a new id and its issue edges (`stream_model.issue_edges` of the
+        tensors among `args`), run `function` with nested calls unrecorded, and wrap its work (or
+        record the wait a blocking call implies)."""
         op_id = self.new_id()
-        self.write({**record, "id": op_id})
+        self.write({**record, "id": op_id, **stream_model.issue_edges(_tensors(args))})
         self.local.depth = getattr(self.local, "depth", 0) + 1
         try:
             result = function(*args, **kwargs)
@@ -124,6 +133,15 @@ class CommLog:
         if isinstance(result, list):
             return [_RecordedWork(work, op_id, self) for work in result]
         return _RecordedWork(result, op_id, self) if result is not None else None
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    """The tensors in `value` (nested lists and tuples, P2P ops)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return _tensors(value.tensor) if isinstance(value, dist.P2POp) else []
 
 
 def _peer(args, kwargs, name: str) -> int:
@@ -211,9 +229,10 @@ def on_side_stream(stream_context):
 
 
 def note(record: dict) -> None:
-    """Write `record` (compute, step and drain markers) when the log is installed."""
+    """Write `record` (compute, step and drain markers) when the log is installed; a compute
+    marker carries the compute stream's position (`stream_model.compute_position`)."""
     if _installed is not None:
-        _installed.write(record)
+        _installed.write({**record, **stream_model.compute_position()} if record["op"] == "compute" else record)
 
 
 def install(directory: Path, rank: int) -> CommLog:

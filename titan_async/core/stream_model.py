@@ -515,6 +515,27 @@ class _Checker(TorchDispatchMode):
         return out
 
 
+def issue_edges(tensors: list[torch.Tensor]) -> dict[str, int]:
+    """For the comm log, while checking: the compute stream's position that an operation issued
+    now on `tensors` is ordered after (its process group's stream waits for the current stream,
+    which is ordered after the host's past), and the latest position of the compute stream that
+    wrote one of `tensors`."""
+    model = MODEL
+    if not model.checking:
+        return {}
+    clock = dict(model.current().clock)
+    _join(clock, model.host)
+    compute = model.compute.index
+    writes = [block.write.seq for tensor in tensors if (key := _storage_key(_local(tensor))) is not None
+              and (block := model.blocks.get(key)) is not None and block.write is not None and block.write.stream == compute]
+    return {"after": clock.get(compute, 0), "writes": max(writes, default=0)}
+
+
+def compute_position() -> dict[str, int]:
+    """For the comm log, while checking: the compute stream's position (its latest kernel)."""
+    return {"position": MODEL.compute.clock.get(MODEL.compute.index, 0)} if MODEL.checking else {}
+
+
 MODEL = StreamModel()
 """This process's model: the CPU backend of `titan_async.core.streams`."""
 
