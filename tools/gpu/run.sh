@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU checklist on a machine with one CUDA GPU, run from the repository root:
 #
-#   bash tools/gpu/run.sh [probe] [fork] [ns] [tests] [split] [1b] [deep]   (no argument: probe fork tests split)
+#   bash tools/gpu/run.sh [probe] [fork] [ns] [tests] [streams] [split] [1b] [deep]   (no argument: probe fork tests streams split)
 #
 # probe: GPU, Python and package versions; fork: two workers started as the launcher starts them
 # (after its config checks, float8's included) select cuda:0 and allocate (tools/gpu/fork_start.py);
 # ns: Muon's Newton-Schulz times for the 10B shapes; tests: tests/test_cuda.py and the CUDA cases of
-# tests/test_pipeline_references.py; split: what a zero-bubble split backward costs for one 10B block,
+# tests/test_pipeline_references.py; streams: the stream hand-offs behind GPU work on an NCCL group of one
+# (tools/gpu/stream_checks.py) and the CUDA tests under torch's CUDA sanitizer (TORCH_CUDA_SANITIZER=1); split: what a zero-bubble split backward costs for one 10B block,
 # bf16 and float8, eager and compiled (tools/gpu/bench_split_backward.py); 1b: tokens/s and memory of the 1B config, bf16 against float8;
 # deep: tools/bench_schedules.py on the CPU (CUDA hidden) at DEEP_ARGS (default p = 4, m = 8),
 # threads per rank = the cores it may use / ranks, so `taskset -c 8-15 bash tools/gpu/run.sh deep`
@@ -60,6 +61,12 @@ tests() {
     timeout $(( $(left) < cap ? $(left) : cap )) python3 -m pytest -v -rs -p no:cacheprovider --durations=0 -n "${PYTEST_WORKERS:-5}" ${TESTS:-tests/test_cuda.py tests/test_pipeline_references.py::test_emulation_under_fsdp_on_cuda_follows_the_rules} 2>&1 | tee "$OUT/tests.txt"
 }
 
+streams() {
+    timeout 120 python3 tools/gpu/stream_checks.py --out "$OUT/stream_checks.json" 2>&1 | tee "$OUT/stream_checks.txt" || return 1
+    TORCH_CUDA_SANITIZER=1 timeout $(( $(left) < 300 ? $(left) : 300 )) python3 -m pytest -q -rs -p no:cacheprovider -n 0 \
+        tests/test_cuda.py 2>&1 | tee "$OUT/tests_cuda_sanitizer.txt"
+}
+
 split() {
     timeout "$(left)" python3 tools/gpu/bench_split_backward.py --config train_configs/10b_2bw_muon.toml \
         --deadline $(( $(left) - ${MIN_SPLIT_S:-60} )) --out "$OUT/split_backward.json" 2>&1 | tee "$OUT/split_backward.txt"
@@ -76,7 +83,7 @@ deep() {
 }
 
 status=0
-for step in "${@:-probe fork tests split}"; do
+for step in "${@:-probe fork tests streams split}"; do
     for part in $step; do
         echo "=== $part ($(date +%T))"
         case $part in
@@ -84,6 +91,7 @@ for step in "${@:-probe fork tests split}"; do
             fork) fork ;;
             ns) ns ;;
             tests) tests ;;
+            streams) streams ;;
             split) split ;;
             1b) bench_1b ;;
             deep) deep ;;
