@@ -8,7 +8,10 @@ Checks, each the pattern a training step uses:
   the compute stream, all-reduced on a side stream, more compute queued, read a step later;
 - late_read: the health flags (`LateRead`): a value copied to a pinned buffer, read after the copy's event;
 - to_device: batches through pinned memory (`to_device`), each buffer freed after its copy;
-- read_now: the logged loss (`read_now`), a device value the host waits for.
+- read_now: the logged loss (`read_now`), a device value the host waits for;
+- self_waiting_side_stream (not run unless named): the stop agreement in the order the model found
+  (the side stream's wait written inside its own context), the model reporting without stopping,
+  so that its comm log ($TITAN_ASYNC_COMM_LOG) can be replayed.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from titan_async.core import stream_model, streams
+from titan_async.core import comm_log, stream_model, streams
 
 
 def late_all_reduce() -> None:
@@ -59,18 +62,36 @@ def read_now() -> None:
     assert backend.read_now(loss) == [2.0] * 3, "wrong: the value read"
 
 
+def self_waiting_side_stream() -> None:
+    model, backend = stream_model.MODEL, streams.for_device(torch.device("cpu"))
+    model.raise_on_race = False
+    side = backend.new_stream("side stream")
+    for step in range(2):
+        code = torch.zeros(4)
+        code.fill_(step + 1)
+        with comm_log.on_side_stream(backend.use(side)):
+            side.wait_stream(backend.current())  # the side stream itself
+            work = dist.all_reduce(code, op=dist.ReduceOp.MAX, async_op=True)
+            work.wait()
+    model.raise_on_race = True
+    if model.races:
+        raise stream_model.StreamRace(f"stream race: {model.races[0]}")
+
+
 CHECKS = {check.__name__: check for check in (late_all_reduce, late_read, to_device, read_now)}
+OTHER_CHECKS = {self_waiting_side_stream.__name__: self_waiting_side_stream}
 
 
 def main(names: list[str]) -> int:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "0")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    comm_log.install_from_environment()
     model = stream_model.enable(raise_on_race=True)
     failed = 0
     for name in names:
         try:
-            CHECKS[name]()
+            {**CHECKS, **OTHER_CHECKS}[name]()
             print(f"{name} ok", flush=True)
         except stream_model.StreamRace as race:
             failed += 1

@@ -16,8 +16,8 @@ The rules modelled, as CUDA and torch 2.15 define them:
   (`torch.ops._c10d_functional`) are waited by `wait_tensor`.
 - A freed block goes back to the pool of the stream that allocated it, whose next allocation may
   reuse it at once (the caching allocator's per-stream pools): every use of the block on another
-  stream must be ordered before the free, on that stream or on the host, unless `record_stream`
-  named that stream (the allocator then delays the reuse until that use ends).
+  stream must be ordered before that allocation, on that stream or on the host, unless
+  `record_stream` named that stream (the allocator then delays the reuse until that use ends).
 - The host reads pinned memory (`read_pinned`) only once a sync orders it after the copy that
   wrote it; a host read of device memory (`read_now`, `.item()`) waits for the current stream.
 
@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 HOST = 0
@@ -66,13 +67,14 @@ class Access:
 class Block:
     """The uses of one storage since its allocation."""
 
-    allocated_on: int
+    storage: StorageWeakRef
+    """Which storage (an address is reused once its storage is freed), and whether it was freed."""
+    allocated_on: int | None
+    """The stream that allocated it; None where the model did not see the allocation."""
+    label: str
     write: Access | None = None
     reads: list[Access] = field(default_factory=list)
     recorded: set[int] = field(default_factory=set)
-    label: str = ""
-    storage: torch.UntypedStorage | None = None
-    """Held once the block is used on a second stream, to see when the program frees it."""
 
     def uses(self) -> list[Access]:
         return ([self.write] if self.write else []) + self.reads
@@ -154,8 +156,10 @@ class StreamModel:
         self.compute = ModelStream(name="compute stream", model=self)
         self.comm_streams: dict[tuple, ModelStream] = {}
         self.blocks: dict[int, Block] = {}
-        self.shared: dict[int, Block] = {}
+        self.shared: dict[int, tuple[int, Block]] = {}
         """Blocks used on a stream other than their allocator's, until the program frees them."""
+        self.pools: dict[int, list[Block]] = {}
+        """Per stream, the blocks of `shared` freed since the stream's last allocation."""
         self.works: dict[int, tuple[object, dict[int, int]]] = {}
         self.functional: dict[int, dict[int, int]] = {}
         self.checking = False
@@ -214,10 +218,10 @@ class StreamModel:
         current stream; the buffer is reused only once the copy has run (CUDA's pinned allocator
         records an event for it)."""
         pinned = self.pinned_like(tensor)
-        with self.paused():
+        with torch.utils._python_dispatch._disable_current_modes():  # the host's write, not a kernel
             pinned.copy_(tensor)
         if self.checking:
-            self._allocate(pinned, HOST)
+            self._block(pinned, allocated_on=HOST)
             self._access(pinned, HOST, self._host_issue(), "write", "host write", _where())
         copy = pinned.to(device, copy=True)
         self.record_stream(pinned, self.current())  # the pinned allocator records the copy's stream
@@ -225,8 +229,8 @@ class StreamModel:
 
     def record_stream(self, tensor: torch.Tensor, stream: ModelStream) -> None:
         """The block of `tensor` is used on `stream`: the allocator delays its reuse until that use ends."""
-        if self.checking and (key := _storage_key(tensor)) is not None:
-            self._block(key).recorded.add(stream.index)
+        if self.checking and (block := self._block(tensor)) is not None:
+            block.recorded.add(stream.index)
 
     # -- clocks --------------------------------------------------------------------------------
 
@@ -257,45 +261,53 @@ class StreamModel:
 
     # -- memory --------------------------------------------------------------------------------
 
-    def _block(self, key: int) -> Block:
-        if key not in self.blocks:
-            self.blocks[key] = Block(allocated_on=self.compute.index)
-        return self.blocks[key]
+    def _block(self, tensor: torch.Tensor, allocated_on: int | None = None) -> Block | None:
+        """The block of `tensor`'s storage (None for what holds no CPU memory): new where the
+        model saw no block at its address or the storage there was freed, allocated on
+        `allocated_on` (an allocation the model sees) or an unknown stream."""
+        storage = _storage(tensor)
+        if storage is None:
+            return None
+        key = storage.data_ptr()
+        block = self.blocks.get(key)
+        if allocated_on is not None or block is None or block.storage.cdata != storage._cdata or block.storage.expired():
+            block = self.blocks[key] = Block(StorageWeakRef(storage), allocated_on, _label(tensor))
+        return block
 
-    def _allocate(self, tensor: torch.Tensor, stream: int) -> None:
-        """A new storage for `tensor`, allocated on `stream` (what the address held before was freed)."""
-        key = _storage_key(tensor)
-        if key is not None:
-            self.blocks[key] = Block(allocated_on=stream, label=_label(tensor))
+    def current_block(self, tensor: torch.Tensor) -> Block | None:
+        """The block the model tracks for `tensor`'s storage, if any."""
+        storage = _storage(tensor)
+        block = self.blocks.get(storage.data_ptr()) if storage is not None else None
+        return block if block is not None and block.storage.cdata == storage._cdata else None
 
-    def _check_frees(self, where: str) -> None:
-        """Blocks the program freed since the last op: every use on another stream than the
-        allocator's must be ordered before the free (on the allocator's stream or the host), or
-        named by `record_stream`."""
-        freed = [key for key, block in self.shared.items() if torch._C._storage_Use_Count(block.storage._cdata) == 1]
-        for key in freed:
-            block = self.shared.pop(key)
-            block.storage = None
-            self.blocks.pop(key, None)
-            clock = dict(self._clock_of(block.allocated_on))
-            _join(clock, self.host)
+    def _collect_frees(self) -> None:
+        """Blocks the program freed since the last op go back to their allocator's pool."""
+        freed = [entry for entry in self.shared.values() if entry[1].storage.expired()]
+        for key, block in freed:
+            del self.shared[id(block)]
+            if self.blocks.get(key) is block:
+                del self.blocks[key]
+            self.pools.setdefault(block.allocated_on, []).append(block)
+
+    def _check_reuse(self, stream: int, where: str) -> None:
+        """An allocation on `stream` may reuse any block freed to its pool: every use of such a
+        block on another stream must be ordered before it, or named by `record_stream`."""
+        clock = dict(self._clock_of(stream))
+        _join(clock, self.host)
+        for block in self.pools.pop(stream, []):
             for use in block.uses():
-                if use.stream not in (block.allocated_on, *block.recorded) and clock.get(use.stream, 0) < use.seq:
-                    self._race(f"{block.label} allocated on the {self.names[block.allocated_on]} was freed (seen at "
-                               f"{where}) while its {use.describe(self)} may still run: no wait, event or "
-                               f"record_stream orders its reuse after that use")
+                if use.stream not in (stream, *block.recorded) and clock.get(use.stream, 0) < use.seq:
+                    self._race(f"{block.label} allocated on the {self.names[stream]} was freed and its block may be "
+                               f"reused by an allocation at {where} while its {use.describe(self)} may still run: "
+                               f"no wait, event or record_stream orders the reuse after that use")
                     break
 
     def _access(self, tensor: torch.Tensor, stream: int, seq: int, kind: str, op: str, where: str) -> None:
-        key = _storage_key(tensor)
-        if key is None:
+        block = self._block(tensor)
+        if block is None:
             return
-        block = self._block(key)
-        if not block.label:
-            block.label = _label(tensor)
-        if stream != block.allocated_on and block.storage is None:
-            block.storage = tensor.untyped_storage()
-            self.shared[key] = block
+        if block.allocated_on not in (None, stream):
+            self.shared.setdefault(id(block), (_storage_key(tensor), block))
         access = Access(stream, seq, kind, op, where)
         clock = self._clock_of(stream)
         earlier = block.uses() if kind == "write" else [block.write] if block.write else []
@@ -313,16 +325,6 @@ class StreamModel:
         if self.raise_on_race:
             raise StreamRace(f"stream race: {message}")
 
-    @contextmanager
-    def paused(self):
-        """Ops run here are the model's own bookkeeping, not the program's."""
-        mode = getattr(self.local, "mode", None)
-        if mode is None:
-            yield
-            return
-        with torch.utils._python_dispatch._disable_current_modes():
-            yield
-
     # -- what the dispatch mode sees -----------------------------------------------------------
 
     def kernel(self, func, args, kwargs, out, stream: ModelStream, issuer: ModelStream | None = None) -> None:
@@ -334,14 +336,16 @@ class StreamModel:
             return
         name, where = func._schema.name, _where()
         if self.shared:
-            self._check_frees(where)
+            self._collect_frees()
         issuer = issuer or stream
         seq = self.issue(stream)
         written, read = _arguments(func, args, kwargs)
         inputs = {_storage_key(t) for t in written + read}
         fresh = [t for t in _tensors(out) if _storage_key(t) not in inputs]
+        if fresh and issuer.index in self.pools:
+            self._check_reuse(issuer.index, where)
         for tensor in fresh:
-            self._allocate(tensor, issuer.index)
+            self._block(tensor, allocated_on=issuer.index)
         for kind, tensors in (("read", read), ("write", written + fresh)):
             for tensor in tensors:
                 self._access(tensor, stream.index, seq, kind, name, where)
@@ -390,8 +394,8 @@ class StreamModel:
             _join(self.current().clock, clock)
 
     def waited(self, work) -> None:
-        """`work.wait()` on the current stream."""
-        entry = self.works.get(id(work))
+        """`work.wait()` on the current stream (the first wait of a work: the model lets it go then)."""
+        entry = self.works.pop(id(work), None)
         if entry is not None and entry[0] is work:
             _join(self.current().clock, entry[1])
 
@@ -426,14 +430,20 @@ def _tensors(value) -> list[torch.Tensor]:
     return [_local(v) for v in _flat(value) if isinstance(v, torch.Tensor)]
 
 
-def _storage_key(tensor: torch.Tensor) -> int | None:
-    """The storage `tensor` uses (its address), or None for what holds no CPU memory."""
+def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage `tensor` uses, or None for what holds no CPU memory."""
     if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
         return None
     if tensor.device.type != "cpu" or tensor.is_sparse or tensor.numel() == 0:
         return None
-    key = tensor.untyped_storage().data_ptr()
-    return key or None
+    storage = tensor.untyped_storage()
+    return storage if storage.data_ptr() else None
+
+
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    """The address of `tensor`'s storage, or None for what holds no CPU memory."""
+    storage = _storage(tensor)
+    return storage.data_ptr() if storage is not None else None
 
 
 def _arguments(func, args, kwargs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -474,7 +484,7 @@ def _label(tensor: torch.Tensor) -> str:
     return f"a {tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} tensor"
 
 
-_OWN = ("titan_async/core/stream_model.py", "titan_async/core/streams.py", "contextlib.py")
+_OWN = ("titan_async/core/stream_model.py", "titan_async/core/streams.py", "titan_async/core/comm_log.py", "contextlib.py")
 
 
 def _where() -> str:
@@ -526,8 +536,8 @@ def issue_edges(tensors: list[torch.Tensor]) -> dict[str, int]:
     clock = dict(model.current().clock)
     _join(clock, model.host)
     compute = model.compute.index
-    writes = [block.write.seq for tensor in tensors if (key := _storage_key(_local(tensor))) is not None
-              and (block := model.blocks.get(key)) is not None and block.write is not None and block.write.stream == compute]
+    writes = [block.write.seq for tensor in tensors if (block := model.current_block(_local(tensor))) is not None
+              and block.write is not None and block.write.stream == compute]
     return {"after": clock.get(compute, 0), "writes": max(writes, default=0)}
 
 
@@ -566,6 +576,5 @@ def enable(raise_on_race: bool = True) -> StreamModel:
     work_class.wait = wait
     _installed = _Checker(MODEL)
     _installed.__enter__()
-    MODEL.local.mode = _installed
     MODEL.checking = True
     return MODEL
