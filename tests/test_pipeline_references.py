@@ -45,7 +45,8 @@ def run_pipeline(tmp_path: Path, schedule: str, stages: int, optimizer: str, acc
     ("none" or "full"); returns (stage -> {"updates", "evaluations"}, communication logs)."""
     out, comm = tmp_path / "out", tmp_path / "comm"
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={stages}", f"--master-port={free_port()}"]
-    run_worker([*launcher, str(WORKER), "pipeline", schedule, optimizer, str(accumulation), variant, checkpointing, str(out)], {"TITAN_ASYNC_COMM_LOG": str(comm)})
+    run_worker([*launcher, str(WORKER), "pipeline", schedule, optimizer, str(accumulation), variant, checkpointing, str(out)],
+               {"TITAN_ASYNC_COMM_LOG": str(comm), "TITAN_ASYNC_STREAM_MODEL": "1"})
     return {s: torch.load(out / f"stage{s}.pt") for s in range(stages)}, comm
 
 

@@ -124,10 +124,12 @@ def test_a_new_value_applies_from_the_first_resumed_step(runs, key):
     base, value, read_back = CHANGES[key]
     unchanged, changed = runs / f"{base}-resumed", runs / key
     assert sorted(losses(changed)) == [1, 2, 3, 4]
-    # Step 3's loss is of the checkpoint's weights; step 4's of the first resumed update.
+    # Step 3's loss is of the checkpoint's weights; the weights saved at step 4 are the resumed
+    # updates' (their losses may round alike: bfloat16 Newton-Schulz moves step 4's by ~1e-7).
     assert losses(changed)[3] == losses(unchanged)[3]
     if key not in SAME_ARITHMETIC:
-        assert losses(changed)[4] != losses(unchanged)[4]
+        weights = [checkpoint_weights(run / "checkpoint" / "step-4") for run in (unchanged, changed)]
+        assert any(not torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
     if read_back is not None:
         parameter, group_key, index = read_back
         saved = _group_value(changed, 4, parameter, group_key)

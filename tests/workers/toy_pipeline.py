@@ -32,7 +32,7 @@ from torchtitan.distributed.activation_checkpoint import FullAC
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import toy_problem as toy  # noqa: E402
 
-from titan_async.core import comm_log  # noqa: E402
+from titan_async.core import comm_log, streams  # noqa: E402
 from titan_async.pipeline.executor import Microbatch, StageExecutor  # noqa: E402
 from titan_async.pipeline.stream import StreamEngine  # noqa: E402
 from titan_async.pipeline.trace import Timeline  # noqa: E402
@@ -121,6 +121,7 @@ def train(executors, steps, stages: int, device: torch.device) -> list[list[floa
 
 def pipeline(schedule: str, optimizer_name: str, accumulation: int, variant: str, checkpointing: str, out: Path) -> None:
     comm_log.install_from_environment()
+    streams.enable_model_from_environment()
     dist.init_process_group("gloo")
     stage, stages, device = dist.get_rank(), dist.get_world_size(), torch.device("cpu")
     if variant == "stale":
