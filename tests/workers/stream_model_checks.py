@@ -16,7 +16,6 @@ Checks, each the pattern a training step uses:
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -83,8 +82,6 @@ OTHER_CHECKS = {self_waiting_side_stream.__name__: self_waiting_side_stream}
 
 
 def main(names: list[str]) -> int:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "0")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     comm_log.install_from_environment()
     model = stream_model.enable(raise_on_race=True)

@@ -102,7 +102,7 @@ class ModelStream:
             _join(self.clock, event.clock)
 
     def record_event(self, event: ModelEvent | None = None) -> ModelEvent:
-        event = event or ModelEvent()
+        event = event or ModelEvent(model=self.model)
         event.record(self)
         return event
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
@@ -70,7 +69,6 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("stream_checks: needs a CUDA GPU", file=sys.stderr)
         return 2
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
     results, failed = {}, False
