@@ -157,7 +157,8 @@ def test_non_positive_process_counts_are_refused(capsys, argument):
                                        ("validation.freq", -1), ("training.global_batch_size", 0)])
 def test_non_positive_counts_in_the_config_are_refused(capsys, key, value):
     err = fail(capsys, "train", *sets(f"{key}={value}"))
-    assert err.endswith(f"{key}: expected a positive integer{', or -1' if key == 'training.global_batch_size' else ''}, got {value}")
+    auto = ", or -1 (local_batch_size x data-parallel degree)" if key == "training.global_batch_size" else ""
+    assert err.endswith(f"{key}: expected a positive integer{auto}, got {value}")
 
 
 def test_zbv_with_validation_is_refused_before_launch(capsys):
@@ -326,7 +327,7 @@ def test_simulate_with_fewer_microbatches_than_stages_is_refused_in_one_line(cap
 
 
 @pytest.mark.parametrize("value, message", [
-    ("-1", "training.sync_start_steps must be >= 0 (0: off), got -1"),
+    ("-1", "training.sync_start_steps: expected an integer >= 0, got -1"),
     ("1.5", "training.sync_start_steps: expected an integer, got float 1.5"),
 ])
 def test_sync_start_steps_must_be_a_count(capsys, value, message):

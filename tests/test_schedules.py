@@ -137,10 +137,10 @@ def test_split_backward_schedules_turn_off_donated_buffers(monkeypatch):
     [
         ("parallelism.pipeline_parallel_schedule=Zigzag", "unknown schedule; valid names are 1F1B, GPipe"),
         ("parallelism.pipeline_parallel_microbatch_size=8", "needs at least as many microbatches per step as stages"),
-        ("parallelism.paci.accumulation=0", "parallelism.paci.accumulation must be >= 1, got 0"),
-        ("training.gradient_delay=2", "training.gradient_delay must be 0 or 1, got 2"),
+        ("parallelism.paci.accumulation=0", "parallelism.paci.accumulation: expected a positive integer, got 0"),
+        ("training.gradient_delay=2", "training.gradient_delay: expected 0 or 1, got 2"),
         ("training.clipping=global", "training.clipping must be one of 'per_stage', 'lagged_global', got 'global'"),
-        ("training.weight_prediction=-1", "training.weight_prediction must be >= 0 (0: off), got -1"),
+        ("training.weight_prediction=-1", "training.weight_prediction: expected a number >= 0, got -1.0"),
         ("training.weight_prediction=1 parallelism.pipeline_parallel_schedule=1F1B", "parallelism.pipeline_parallel_schedule = '1F1B' has no delay"),
         ("training.weight_prediction=1 training.sync_start_steps=2", "training.weight_prediction does not run with training.sync_start_steps yet"),
         ("checkpoint.async_mode=async", "checkpoint.async_mode = 'async' cannot run with PipeDream2BW"),

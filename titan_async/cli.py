@@ -127,7 +127,10 @@ def _parser() -> argparse.ArgumentParser:
 
     config = commands.add_parser("config", help="inspect configs")
     config_commands = config.add_subparsers(dest="config_command", required=True)
-    config_args(config_commands.add_parser("show", help="print the resolved config"))
+    show = config_commands.add_parser("show", help="print the resolved config, after every check train makes before launch")
+    config_args(show)
+    show.add_argument("--nproc-per-node", type=positive_int,
+                      help="processes the run will have (default: the product of its parallel degrees)")
     return parser
 
 
@@ -181,6 +184,7 @@ def _resume(args) -> int:
     from titan_async.config.run_config import load_run_config, render_toml
     from titan_async.run import process
     from titan_async.rundir import directory as runs
+    from titan_async.rundir import resumes
     from titan_async.rundir.checkpoints import resume_point
 
     _check_max_restarts(args.max_restarts)
@@ -196,15 +200,30 @@ def _resume(args) -> int:
         refuse_switches(saved, args.set)
         run = load_run_config(args.run_dir / "config.toml", args.set)
         check_resumable(saved, run)
+        _check_steps_left(run, point[0], args.set, args.run_dir)
         run.check(process.world_size(nproc))
         _check_eval_device(run, nproc)
         trainer_config(run, args.run_dir, process.world_size(nproc))
         check_launch(run, nproc, args.skip_memory_check)
         if process.is_coordinator():
-            runs.save_launch(args.run_dir, render_toml(run), nproc)
+            resumes.stage(args.run_dir, render_toml(run), nproc, args.set)
             runs.clear_stop(args.run_dir)
             print(f"resuming {args.run_dir} from {point[1].name}", flush=True)
         return _launch(args.run_dir, nproc, args.verbose, run, args.max_restarts)
+
+
+def _check_steps_left(run, checkpoint_step: int, assignments: list[str], run_dir: Path) -> None:
+    """UserError when the resumed run would train no step: `training.steps` at or below the step
+    of the checkpoint it resumes from (torchtitan would assert, or train nothing and exit 0)."""
+    steps = run.training.steps
+    if steps > checkpoint_step:
+        return
+    given = [a for a in assignments if a.partition("=")[0].strip() == "training.steps"]
+    if given:
+        raise UserError(f"--set {given[-1]!r}: the run resumes from its checkpoint at step {checkpoint_step}; "
+                        f"expected training.steps > {checkpoint_step}")
+    raise UserError(f"--run-dir {run_dir}: the run is complete (its checkpoint is at step {checkpoint_step}, "
+                    f"training.steps = {steps}); to train on, resume with --set training.steps=N, N > {checkpoint_step}")
 
 
 def _check_eval_device(run, nproc: int) -> None:
@@ -359,8 +378,11 @@ def _config_show(args) -> int:
     from rich.syntax import Syntax
 
     from titan_async.config.run_config import load_run_config, render_toml
+    from titan_async.run import process
 
-    text = render_toml(load_run_config(_config_path(args.config), args.set))
+    run = load_run_config(_config_path(args.config), args.set)
+    run.check(process.world_size(args.nproc_per_node or run.implied_world_size()))
+    text = render_toml(run)
     Console().print(Syntax(text, "toml", theme="ansi_dark")) if sys.stdout.isatty() else print(text, end="")
     return 0
 

@@ -13,6 +13,7 @@ from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.config.configs import CommConfig, CompileConfig, DebugConfig
 
 from titan_async.config.fields import closest, coerce, describe, settable_fields, subsections, type_name
+from titan_async.config.ranges import out_of_range
 from titan_async.core import platform
 from titan_async.core.errors import UserError
 from titan_async.data.sources import DataSection
@@ -119,6 +120,12 @@ class RunConfig:
         named = " x ".join(f"parallelism.{k} ({v})" for k, v in degrees.items() if v != 1) or "the parallel degrees (1)"
         return named, product
 
+    def implied_world_size(self) -> int:
+        """The processes the parallel degrees name (a data_parallel_shard_degree of -1 counts as 1)."""
+        p = self.parallelism
+        return (p.pipeline_parallel_degree * p.tensor_parallel_degree * p.context_parallel_degree
+                * p.data_parallel_replicate_degree * max(p.data_parallel_shard_degree, 1))
+
     def check(self, world_size: int) -> None:
         """Raise UserError for settings that cannot work together on `world_size` processes."""
         p, t = self.parallelism, self.training
@@ -222,7 +229,13 @@ def read_toml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"{path}: config file not found")
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        line = path.read_bytes()[:err.start].count(b"\n") + 1
+        raise UserError(f"{path}: line {line}: byte 0x{err.object[err.start]:02x} is not UTF-8; TOML files are UTF-8 text "
+                        "(save it as UTF-8)") from None
+    except OSError as err:
+        raise UserError(f"{path}: cannot read the config file ({err.strerror})") from None
     except tomllib.TOMLDecodeError as err:
         raise UserError(f"{path}: TOML syntax error: {err}") from None
 
@@ -274,6 +287,9 @@ def _section(name: str, default: Any, values: Any, source: str, assignments: dic
             raise UserError(
                 f"{origin}: {name}.{key}: expected {describe(allowed[key])}, got {type_name(value)} {json.dumps(value)}"
             )
+        problem = out_of_range(f"{name}.{key}", converted)
+        if problem:
+            raise UserError(f"{origin}: {name}.{key}: {problem}")
         updates[key] = converted
     try:
         return dataclasses.replace(default, **updates)
@@ -306,31 +322,15 @@ def build_run_config(document: dict[str, Any], source: str, assignments: dict[st
     _hf_initial_load(document.get("checkpoint"))
     sections = {name: _section(name, default, document.get(name, {}), source, assignments) for name, default in defaults.items()}
     run = RunConfig(source=source, **sections)
-    _check_counts(run)
     return run
 
 
-# Counts that must be positive; those in AUTO_COUNTS may also be -1 (derived or unlimited), and
-# unset optional ones (None) are left alone.
-POSITIVE_COUNTS = (
-    "training.steps", "training.local_batch_size", "training.seq_len", "training.gc_freq",
-    "parallelism.pipeline_parallel_microbatch_size", "parallelism.paci.accumulation", "optimizer.muon.ns_steps",
-    "lr_scheduler.total_steps", "metrics.log_freq", "validation.freq", "validation.steps",
-    "training.global_batch_size", "eval.freq", "eval.limit", "eval.batch_size", "eval.max_pending",
-)
-AUTO_COUNTS = ("training.global_batch_size", "validation.steps")
-
-
-def _check_counts(run: RunConfig) -> None:
-    """UserError naming the first count that is not positive (a run would silently do nothing)."""
-    for key in POSITIVE_COUNTS:
-        value = run
-        for part in key.split("."):
-            value = getattr(value, part)
-        if value is None or value > 0 or (key in AUTO_COUNTS and value == -1):
-            continue
-        expected = "a positive integer, or -1" if key in AUTO_COUNTS else "a positive integer"
-        raise UserError(f"{run.source}: {key}: expected {expected}, got {value}")
+def parse_run_config(text: str, source: str) -> RunConfig:
+    """Check the TOML `text` (named `source` in errors)."""
+    try:
+        return build_run_config(tomllib.loads(text), source)
+    except tomllib.TOMLDecodeError as err:
+        raise UserError(f"{source}: TOML syntax error: {err}") from None
 
 
 def load_run_config(path: Path, assignments: list[str] = ()) -> RunConfig:

@@ -30,14 +30,6 @@ class MuonSection:
     adamw_lr: float = 8e-4
     """Peak lr of the AdamW group (embeddings, output head, norms, biases)."""
 
-    def __post_init__(self) -> None:
-        if self.adamw_lr <= 0:
-            raise ValueError(f"optimizer.muon.adamw_lr must be > 0, got {self.adamw_lr}")
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"optimizer.muon.momentum must be in [0, 1), got {self.momentum}")
-        if self.ns_steps < 1:
-            raise ValueError(f"optimizer.muon.ns_steps must be >= 1, got {self.ns_steps}")
-
 
 @dataclass(kw_only=True, slots=True)
 class ErrorFeedbackSection:
@@ -49,10 +41,6 @@ class ErrorFeedbackSection:
     """Wrap the optimizer(s) in error feedback."""
     coefficient: float = 1.0
     """c in [0, 2]; 0 is the plain optimizer."""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.coefficient <= 2:
-            raise ValueError(f"optimizer.error_feedback.coefficient must be in [0, 2], got {self.coefficient}")
 
 
 ON_RESUME: dict[str, str | None] = {
@@ -100,11 +88,6 @@ class OptimizerSection:
     error_feedback: ErrorFeedbackSection = field(default_factory=ErrorFeedbackSection)
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
-        for key in ("beta1", "beta2"):
-            if not 0 <= getattr(self, key) < 1:
-                raise ValueError(f"optimizer.{key} must be in [0, 1), got {getattr(self, key)}")
         if self.name != "muon" and self.muon != MuonSection():
             raise ValueError(f'optimizer.muon is only used when optimizer.name = "muon" (it is "{self.name}")')
 

@@ -18,10 +18,6 @@ class PACISection:
     accumulation: int | None = None
     """a: local backwards per optimizer step on each stage; unset = the number of microbatches."""
 
-    def __post_init__(self) -> None:
-        if self.accumulation is not None and self.accumulation < 1:
-            raise ValueError(f"parallelism.paci.accumulation must be >= 1, got {self.accumulation}")
-
 
 @dataclass(kw_only=True, slots=True)
 class PipelineParallelism(ParallelismConfig):
@@ -58,14 +54,8 @@ class DelayTraining(TrainingConfig):
     (`versions.PredictedAccumulation`); 0: off."""
 
     def __post_init__(self) -> None:
-        if self.gradient_delay not in (0, 1):
-            raise ValueError(f"training.gradient_delay must be 0 or 1, got {self.gradient_delay}")
         if self.clipping not in CLIPPING_MODES:
             raise ValueError(f"training.clipping must be one of {', '.join(map(repr, CLIPPING_MODES))}, got {self.clipping!r}")
-        if self.sync_start_steps < 0:
-            raise ValueError(f"training.sync_start_steps must be >= 0 (0: off), got {self.sync_start_steps}")
-        if self.weight_prediction < 0:
-            raise ValueError(f"training.weight_prediction must be >= 0 (0: off), got {self.weight_prediction}")
 
 
 def sync_start_text(steps: int, schedule: str) -> str:
@@ -107,6 +97,10 @@ def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism, da
         return (f"training.sync_start_steps = {training.sync_start_steps} trains the first steps synchronously before a "
                 f"streaming schedule (PipeDream2BW, PACI) or training.gradient_delay = 1; {key} is synchronous throughout: "
                 "set training.sync_start_steps = 0, or pick a streaming schedule")
+    if training.sync_start_steps >= training.steps:
+        return (f"training.sync_start_steps = {training.sync_start_steps} leaves no step of training.steps = "
+                f"{training.steps} to the streaming schedule (every step would be synchronous): "
+                "set it below training.steps, or 0 for none")
     if training.weight_prediction and schedule is None and not training.gradient_delay:
         return (f"training.weight_prediction = {training.weight_prediction:g} predicts the weights a delayed gradient meets; "
                 f"{key} has no delay: use PipeDream2BW or PACI (or training.gradient_delay = 1), "

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from titan_async.core import comm_log, platform, streams
 from titan_async.core.platform import DropMessages
-from titan_async.rundir import checkpoints, directory as runs
+from titan_async.rundir import checkpoints, directory as runs, resumes
 from titan_async.rundir.after_save import AfterSaves
 from titan_async.run.process import MEMORY_CHECKED_ENV, exit_with_parent, name_worker, restart_count
 
@@ -83,6 +83,16 @@ def _resume_point(run_dir: Path, run):
     return dataclasses.replace(run, checkpoint=dataclasses.replace(run.checkpoint, load_step=step))
 
 
+def _config_to_train(run_dir: Path):
+    """The config a resume staged (`rundir.resumes`), else the run's config.toml."""
+    from titan_async.config.run_config import load_run_config, parse_run_config
+
+    staged = resumes.staged_config(run_dir)
+    if staged is not None:
+        return parse_run_config(staged, str(run_dir / runs.RESUME_STAGED_FILE))
+    return load_run_config(run_dir / runs.CONFIG_FILE)
+
+
 def train(run_dir: Path, verbose: bool = False, run=None) -> int:
     """Train the run in `run_dir` from its latest intact checkpoint (if any); returns the exit status.
 
@@ -102,10 +112,9 @@ def train(run_dir: Path, verbose: bool = False, run=None) -> int:
 
     from titan_async.commands.plan.fits import check_launch
     from titan_async.config.assemble import trainer_config
-    from titan_async.config.run_config import load_run_config
     from titan_async.pipeline.config import prepare_split_backward
 
-    run = _resume_point(run_dir, run or load_run_config(run_dir / runs.CONFIG_FILE))
+    run = _resume_point(run_dir, run or _config_to_train(run_dir))
     if not os.environ.get(MEMORY_CHECKED_ENV):  # started by torchrun without titan-async's launcher: check here
         check_launch(run, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     warning = prepare_split_backward(run.parallelism.pipeline_parallel_schedule, run.compile.enable and not platform.is_cpu())
@@ -116,6 +125,7 @@ def train(run_dir: Path, verbose: bool = False, run=None) -> int:
     trainer.save_hooks.after.append(after_saves)
     if dist.get_rank() == 0:
         runs.record_world_size(run_dir, dist.get_world_size())
+        trainer.first_step_hooks.append(lambda: resumes.commit(run_dir, trainer.step - 1))
     try:
         trainer.train()
     finally:

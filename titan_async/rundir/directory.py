@@ -14,9 +14,12 @@ CONFIG_FILE = "config.toml"
 STOPPED_FILE = "stopped.json"
 LAUNCH_FILE = "launch.json"
 CHECKPOINT_DIR = "checkpoint"
+RESUME_STAGED_FILE = "resume.staged.json"
+RESUME_HISTORY_FILE = "resume_history.jsonl"
 OVERWRITTEN_DIR = "overwritten"
 RUN_FILES = (CONFIG_FILE, LAUNCH_FILE, CHECKPOINT_DIR, "tb", "logs", "metrics.jsonl", STOPPED_FILE, "comm_traces",
-             "pipeline", "optimizer_groups.txt", "report", "compare", "benchmarks")
+             "pipeline", "optimizer_groups.txt", "report", "compare", "benchmarks", RESUME_STAGED_FILE,
+             RESUME_HISTORY_FILE)
 """What a run writes into its directory, its lock aside: what `train --overwrite` moves away."""
 
 

@@ -29,10 +29,6 @@ class HealthSection:
     """The one rank of that stage that poisons its gradient (its stage's other ranks must agree to
     skip); -1: every rank of the stage."""
 
-    def __post_init__(self) -> None:
-        if self.max_nonfinite_steps < 0:
-            raise ValueError(f"health.max_nonfinite_steps must be >= 0, got {self.max_nonfinite_steps}")
-
 
 def skips_on_device(optimizer: Optimizer) -> bool:
     """Whether `optimizer.step()` skips the update on the device when `optimizer.found_inf` is a

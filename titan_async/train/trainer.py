@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,6 +117,7 @@ class AsyncTrainer(Trainer):
         self.health = HealthGuard(config.health)
         self.fsdp_traffic = count_fsdp_traffic(self.model_parts)
         self.save_hooks = SaveHooks(self.checkpointer)
+        self.first_step_hooks: list[Callable[[], None]] = []  # called once, as the first step this process trains starts
         self.steps = self._step_runner()
         keep_weight_versions(self, self.steps)
         configured_over_loaded(self)
@@ -167,6 +169,8 @@ class AsyncTrainer(Trainer):
             yield input_dict, labels
 
     def train_step(self, data_iterator) -> None:
+        while self.first_step_hooks:  # every rank has loaded the checkpoint (a collective) and built
+            self.first_step_hooks.pop(0)()
         comm_log.note({"op": "step", "step": self.step})
         self.metrics_processor.start_training_step()
         self.steps.run(data_iterator)
