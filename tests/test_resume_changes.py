@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
+import tomllib
 from operator import attrgetter
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import CONFIGS, REPO, TINY, checkpoint_weights, fresh_environment, losses, metrics, sets
+from conftest import CONFIGS, REPO, TINY, checkpoint_weights, fresh_environment, losses, metrics, run_cli, sets
 
 from titan_async.config.run_config import load_run_config
 from titan_async.optim.section import ON_RESUME, OptimizerSection
@@ -165,3 +167,62 @@ def test_resume_refuses_a_key_that_decides_the_checkpointed_state(runs, capsys, 
     assert f"resume cannot switch {key} from " in err and ON_RESUME[key] in err
     assert (run_dir / "config.toml").read_text() == config
     assert sorted(p.name for p in (run_dir / "checkpoint").iterdir()) == ["step-2"]
+
+
+def test_every_resume_appends_what_it_changed_to_the_history(runs):
+    """The history holds each resume's changes against the config it resumed, read here from the
+    TOML files themselves; the staged config is gone once the resumed run trained."""
+    before = tomllib.loads((runs / "adamw" / "config.toml").read_text())
+    for name, changed in [("adamw-resumed", {"training.steps": 4, "checkpoint.interval": 1}),
+                          ("optimizer.lr", {"training.steps": 4, "checkpoint.interval": 1, "optimizer.lr": 0.01})]:
+        history = [json.loads(line) for line in (runs / name / "resume_history.jsonl").read_text().splitlines()]
+        expected = {key: [attrgetter_toml(before, key), value] for key, value in changed.items()}
+        assert [(entry["resumed_step"], entry["changed"]) for entry in history] == [(2, expected)]
+        assert not (runs / name / "resume.staged.json").exists()
+        after = tomllib.loads((runs / name / "config.toml").read_text())
+        assert all(attrgetter_toml(after, key) == value for key, value in changed.items())
+
+
+def attrgetter_toml(document: dict, key: str):
+    for part in key.split("."):
+        document = document[part]
+    return document
+
+
+@pytest.mark.parametrize("assignments, message", [
+    (["training.steps=2"], "--set 'training.steps=2': the run resumes from its checkpoint at step 2; expected training.steps > 2"),
+    (["training.steps=1"], "--set 'training.steps=1': the run resumes from its checkpoint at step 2; expected training.steps > 2"),
+    ([], "the run is complete (its checkpoint is at step 2, training.steps = 2); to train on, resume with --set training.steps=N, N > 2"),
+    (["training.steps=4", "optimizer.weight_decay=-1"], "optimizer.weight_decay: expected a number >= 0, got -1.0"),
+])
+def test_resume_refuses_a_run_that_would_train_nothing_or_a_bad_value(runs, capsys, assignments, message):
+    """Before: training.steps at the checkpoint's step trained nothing and exited 0, below it
+    torchtitan asserted in every worker, and the config.toml it wrote failed every later resume."""
+    from titan_async import cli
+
+    run_dir = runs / "muon"
+    config = (run_dir / "config.toml").read_bytes()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["resume", "--run-dir", str(run_dir), *sets(*assignments)])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
+    assert (run_dir / "config.toml").read_bytes() == config and not (run_dir / "resume.staged.json").exists()
+
+
+def test_a_resume_that_fails_in_its_workers_leaves_the_config_and_a_plain_resume_works(runs, tmp_path):
+    """A model change passes the launcher's checks and fails the workers' checkpoint load (a block
+    the checkpoint lacks): config.toml stays byte for byte, and the next plain resume trains on the
+    config that was in effect."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(runs / "adamw-resumed", run_dir)
+    shutil.rmtree(run_dir / "checkpoint" / "step-4")  # the run now resumes from step 3 of 4
+    config, history = (run_dir / "config.toml").read_bytes(), (run_dir / "resume_history.jsonl").read_bytes()
+    failed = run_cli("resume", "--run-dir", str(run_dir), *sets("model.n_layers=5"), check=False)
+    assert failed.returncode != 0 and "layers.4" in failed.stderr, failed.stderr[-3000:]
+    assert (run_dir / "config.toml").read_bytes() == config
+    assert (run_dir / "resume_history.jsonl").read_bytes() == history
+    run_cli("resume", "--run-dir", str(run_dir))
+    assert (run_dir / "config.toml").read_bytes() == config
+    entries = [json.loads(line) for line in (run_dir / "resume_history.jsonl").read_text().splitlines()]
+    assert [(entry["resumed_step"], entry["set"], entry["changed"]) for entry in entries[1:]] == [(3, [], {})]
+    assert sorted(losses(run_dir)) == [1, 2, 3, 4] and losses(run_dir)[4] == losses(runs / "adamw-resumed")[4]

@@ -40,12 +40,13 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_launch(run_dir: Path, config_toml: str, nproc_per_node: int) -> None:
-    """Store the resolved config and the launch settings; the run's `run_id` (what names its
-    W&B runs) is made on the first launch and kept by later ones (`resume`)."""
+def save_launch(run_dir: Path, config_toml: str | None, nproc_per_node: int) -> None:
+    """Store the resolved config (None: keep the stored one) and the launch settings; the run's
+    `run_id` (what names its W&B runs) is made on the first launch and kept by later ones (`resume`)."""
     launch = run_dir / LAUNCH_FILE
     run_id = json.loads(launch.read_text()).get("run_id") if launch.is_file() else None
-    write_atomic(run_dir / CONFIG_FILE, config_toml)
+    if config_toml is not None:
+        write_atomic(run_dir / CONFIG_FILE, config_toml)
     write_atomic(launch, json.dumps({"nproc_per_node": nproc_per_node, "run_id": run_id or uuid.uuid4().hex[:16]}))
 
 

@@ -47,9 +47,9 @@ def changes(before_toml: str, after_toml: str) -> dict[str, list]:
 
 
 def commit(run_dir: Path, resumed_step: int) -> None:
-    """Make the staged config the run's config.toml and append the resume to the history (rank 0,
-    once every rank has loaded the checkpoint of `resumed_step` and built); nothing when no resume
-    is staged."""
+    """Make the staged config the run's config.toml (left byte for byte when no value changed) and
+    append the resume to the history (rank 0, once every rank has loaded the checkpoint of
+    `resumed_step` and built); nothing when no resume is staged."""
     path = run_dir / RESUME_STAGED_FILE
     if not path.is_file():
         return
@@ -57,7 +57,7 @@ def commit(run_dir: Path, resumed_step: int) -> None:
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "resumed_step": resumed_step, "set": staged["set"],
              "nproc_per_node": staged["nproc_per_node"],
              "changed": changes((run_dir / CONFIG_FILE).read_text(), staged["config"])}
-    save_launch(run_dir, staged["config"], staged["nproc_per_node"])
+    save_launch(run_dir, staged["config"] if entry["changed"] else None, staged["nproc_per_node"])
     with open(run_dir / RESUME_HISTORY_FILE, "a") as history:
         history.write(json.dumps(entry) + "\n")
     path.unlink()
