@@ -92,10 +92,13 @@ def quarantine(checkpoint: Path) -> Path:
     return target
 
 
-def quarantined(run_dir: Path) -> list[Path]:
-    """The checkpoints of `run_dir` that `quarantine` moved."""
+def quarantined_note(run_dir: Path) -> str | None:
+    """How many checkpoints of `run_dir` `quarantine` moved, and where, in words; None if none."""
     folder = run_dir / DAMAGED_DIR
-    return sorted(folder.iterdir()) if folder.is_dir() else []
+    count = len(list(folder.iterdir())) if folder.is_dir() else 0
+    if not count:
+        return None
+    return f"{count} checkpoint{'s' * (count != 1)} damaged in place {'is' if count == 1 else 'are'} quarantined in {folder}"
 
 
 def resume_point(run_dir: Path, warn: Callable[[str], None], before: int | None = None) -> tuple[int, Path] | None:
@@ -111,15 +114,14 @@ def resume_point(run_dir: Path, warn: Callable[[str], None], before: int | None 
                 warn(f"skipping damaged checkpoint {skipped} ({reason}); resuming from {checkpoint.name}")
             return step, checkpoint
         problems.append((checkpoint, problem))
-    moved = quarantined(run_dir)
-    if problems or moved:
+    note = quarantined_note(run_dir)
+    if problems or note:
         found = []
         if problems:
             newest, reason = problems[0]
             found.append(f"all {len(problems)} are damaged (newest: {newest.name}, {reason})")
-        if moved:
-            found.append(f"{len(moved)} checkpoint{'s' * (len(moved) != 1)} damaged in place {'is' if len(moved) == 1 else 'are'} "
-                         f"quarantined in {run_dir / DAMAGED_DIR}")
+        if note:
+            found.append(note)
         raise UserError(f"--run-dir {run_dir}: no intact checkpoint to resume from; {'; '.join(found)}; nothing was deleted")
     return None
 

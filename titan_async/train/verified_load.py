@@ -164,7 +164,7 @@ def _rank0s_fallback(checkpoint: Path, problem: str) -> int | str:
         point = None
     if point is None or point[0] == 0:
         return (f"no intact checkpoint to resume from: {checkpoint} is damaged ({problem}), and no earlier one is intact; "
-                f"{_checkpoints_damaged_in_place(len(checkpoints.quarantined(run_dir)))} in {moved.parent}; nothing was deleted")
+                f"{checkpoints.quarantined_note(run_dir)}; nothing was deleted")
     log = logging.getLogger("titan_async")
     log.warning(f"checkpoint {checkpoint} is damaged ({problem}); moved to {moved}; resuming from {point[1].name} "
                 f"(its later steps train again)")
@@ -172,6 +172,3 @@ def _rank0s_fallback(checkpoint: Path, problem: str) -> int | str:
         log.warning(line)
     return point[0]
 
-
-def _checkpoints_damaged_in_place(count: int) -> str:
-    return f"{count} checkpoint{'s' * (count != 1)} damaged in place {'is' if count == 1 else 'are'} quarantined"
