@@ -162,6 +162,29 @@ def test_every_checkpoint_damaged_is_one_line(saved, capsys, tmp_path):
     assert all(checkpoint(run_dir, step).is_dir() for step in range(1, 5))
 
 
+def test_every_checkpoint_damaged_in_place_is_one_line_and_each_is_moved_aside_whole(saved, capsys, tmp_path):
+    """The launcher's cheap checks pass; the worker finds each damaged in turn as it loads it, and
+    refuses once none is left, as does every later resume: the run never starts over from step 0."""
+    run_dir = shutil.copytree(saved, tmp_path / "run")
+    for step in range(1, 5):
+        flip_a_byte(checkpoint(run_dir, step) / "__0_0.distcp")
+    before = {step: {p.name: p.read_bytes() for p in checkpoint(run_dir, step).iterdir()} for step in range(1, 5)}
+    result = run_cli("resume", "--run-dir", str(run_dir), check=False)
+    aside = run_dir / "damaged_checkpoints"
+    said = [line for line in result.stderr.splitlines() if line.startswith("titan-async:")]
+    assert result.returncode == 2 and said == [
+        f"titan-async: no intact checkpoint to resume from: {checkpoint(run_dir, 1)} is damaged (__0_0.distcp does not match "
+        f"its checksum (damaged in place)), and no earlier one is intact; 4 checkpoints damaged in place are quarantined in "
+        f"{aside}; "
+        "nothing was deleted"], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert {step: {p.name: p.read_bytes() for p in (aside / f"step-{step}").iterdir()} for step in range(1, 5)} == before
+    assert not any((run_dir / "checkpoint").glob("step-*"))
+    code, _, err = cli_in_process(capsys, "resume", "--run-dir", str(run_dir))
+    assert code == 2 and err.strip() == (f"titan-async: --run-dir {run_dir}: no intact checkpoint to resume from; "
+                                         f"4 checkpoints damaged in place are quarantined in {aside}; nothing was deleted")
+
+
 def test_eval_and_export_refuse_a_damaged_checkpoint_in_one_line(saved, capsys, tmp_path):
     run_dir = shutil.copytree(saved, tmp_path / "run")
     flip_a_byte(checkpoint(run_dir, 2) / "__0_0.distcp")
@@ -175,10 +198,13 @@ def test_eval_and_export_refuse_a_damaged_checkpoint_in_one_line(saved, capsys, 
 
 
 def test_resume_skips_damaged_checkpoints(saved):
-    """Runs last among the tests of `saved`: the resume saves step-3 and step-4 again."""
+    """Runs last among the tests of `saved`: the resume saves step-2 to step-4 again. The launcher
+    skips the incomplete step-4 and step-3; the worker finds step-2 damaged in place when it loads
+    it, moves it aside and loads step-1, every state of it: the losses are the uninterrupted run's."""
     first = losses(saved)
     (checkpoint(saved, 4) / "checksums.rank0.json").unlink()  # killed before its checksums were recorded
     (checkpoint(saved, 3) / ".metadata").write_bytes(b"garbled")
+    flip_a_byte(checkpoint(saved, 2) / "__0_0.distcp")
     result = run_cli("resume", "--run-dir", str(saved))
     warnings = [line for line in result.stderr.splitlines() if line.startswith("titan-async: warning:")]
     assert len(warnings) == 2, result.stderr
@@ -187,6 +213,11 @@ def test_resume_skips_damaged_checkpoints(saved):
     assert warnings[1] == (f"titan-async: warning: skipping damaged checkpoint {checkpoint(saved, 3)} "
                            "(unreadable .metadata (UnpicklingError)); resuming from step-2")
     assert "from step-2" in result.stdout
+    moved = [line for line in result.stderr.splitlines() if "is damaged" in line]
+    assert len(moved) == 1 and moved[0].endswith(
+        f" WARNING titan_async: checkpoint {checkpoint(saved, 2)} is damaged (__0_0.distcp does not match its checksum "
+        f"(damaged in place)); moved to {saved / 'damaged_checkpoints' / 'step-2'}; resuming from step-1 (its later steps "
+        "train again)"), result.stderr
     assert losses(saved) == first
 
 

@@ -8,6 +8,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import TINY, cli_in_process, run_cli, sets
+from titan_async.core.errors import UserError
 from titan_async.rundir import checksums
 from titan_async.rundir.overwrite import claim, release_overwritten
 
@@ -40,6 +41,18 @@ def test_claim_moves_the_run_aside_and_leaves_other_files(tmp_path):
     assert aside == tmp_path / "overwritten"
     assert _files(aside) == [f for f in before if f != "notes.txt"]
     assert _files(tmp_path) == ["notes.txt"] + [f"overwritten/{f}" for f in _files(aside)]
+
+
+def test_quarantined_checkpoints_are_the_runs_too(tmp_path):
+    """A run whose every checkpoint was found damaged in place and moved aside still holds them."""
+    _fake_run(tmp_path)
+    (tmp_path / "damaged_checkpoints").mkdir()
+    (tmp_path / "checkpoint" / "step-2").rename(tmp_path / "damaged_checkpoints" / "step-2")
+    before = _files(tmp_path)
+    with pytest.raises(UserError, match="already holds checkpoints"):
+        claim(tmp_path, overwrite=False)
+    assert claim(tmp_path, overwrite=True) == tmp_path / "overwritten"
+    assert [f"overwritten/{f}" for f in before] == _files(tmp_path)
 
 
 def test_a_second_overwrite_keeps_the_run_with_checkpoints(tmp_path):

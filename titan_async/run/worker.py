@@ -66,7 +66,8 @@ def _resume_point(run_dir: Path, run):
     Only rank 0 checks the checkpoints to choose (cheap checks: no file is read whole before the
     process group exists); the trainer hands its choice to every rank
     (`AsyncTrainer.load_rank0s_choice`), and each rank verifies the checksums of its share of the
-    files it loads (`titan_async.train.verified_load`)."""
+    files it loads (`titan_async.train.verified_load`, which falls back from a damaged checkpoint
+    to the previous intact one)."""
     if not run.checkpoint.enable or run.checkpoint.load_step != -1 or os.environ.get("RANK", "0") != "0":
         return run
     restart = restart_count()

@@ -2,7 +2,8 @@
 
 The checks here are cheap (metadata, sizes, manifests; no file is read whole), since the launcher
 makes them before any process group exists; each file's checksum is verified when it is loaded
-(`titan_async.train.verified_load`), or, for `eval` and `export`, by `checked_step`."""
+(`titan_async.train.verified_load`, which moves a checkpoint damaged in place to RUN/damaged_checkpoints/
+with `quarantine`), or, for `eval` and `export`, by `checked_step`."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from titan_async.core.errors import UserError
 from titan_async.rundir import checksums
-from titan_async.rundir.directory import CHECKPOINT_DIR
+from titan_async.rundir.directory import CHECKPOINT_DIR, DAMAGED_DIR
 
 
 def damage(checkpoint: Path) -> str | None:
@@ -78,10 +79,33 @@ def has_intact_checkpoint(run_dir: Path) -> bool:
     return any(damage(checkpoint) is None for _, checkpoint in saved_checkpoints(run_dir))
 
 
-def resume_point(run_dir: Path, warn: Callable[[str], None]) -> tuple[int, Path] | None:
-    """(step, directory) of the latest intact checkpoint of `run_dir`, calling `warn` with one line
-    for each newer, damaged one; None when the run saved none. UserError when every one is damaged."""
-    saved = saved_checkpoints(run_dir)
+def quarantine(checkpoint: Path) -> Path:
+    """Move the checkpoint directory RUN/checkpoint/step-N to RUN/damaged_checkpoints/step-N (step-N.2,
+    step-N.3, ... if taken), where no scan for checkpoints looks; returns where it went."""
+    folder = checkpoint.parent.parent / DAMAGED_DIR
+    folder.mkdir(exist_ok=True)
+    target, copy = folder / checkpoint.name, 1
+    while target.exists():
+        copy += 1
+        target = folder / f"{checkpoint.name}.{copy}"
+    checkpoint.rename(target)
+    return target
+
+
+def quarantined_note(run_dir: Path) -> str | None:
+    """How many checkpoints of `run_dir` `quarantine` moved, and where, in words; None if none."""
+    folder = run_dir / DAMAGED_DIR
+    count = len(list(folder.iterdir())) if folder.is_dir() else 0
+    if not count:
+        return None
+    return f"{count} checkpoint{'s' * (count != 1)} damaged in place {'is' if count == 1 else 'are'} quarantined in {folder}"
+
+
+def resume_point(run_dir: Path, warn: Callable[[str], None], before: int | None = None) -> tuple[int, Path] | None:
+    """(step, directory) of the latest intact checkpoint of `run_dir` (of those before step `before`
+    if given), calling `warn` with one line for each newer, damaged one; None when the run saved
+    none. UserError when every one is damaged, or when the run has none left but quarantined ones."""
+    saved = [(step, checkpoint) for step, checkpoint in saved_checkpoints(run_dir) if before is None or step < before]
     problems = []
     for step, checkpoint in saved:
         problem = damage(checkpoint)
@@ -90,12 +114,15 @@ def resume_point(run_dir: Path, warn: Callable[[str], None]) -> tuple[int, Path]
                 warn(f"skipping damaged checkpoint {skipped} ({reason}); resuming from {checkpoint.name}")
             return step, checkpoint
         problems.append((checkpoint, problem))
-    if problems:
-        newest, reason = problems[0]
-        raise UserError(
-            f"--run-dir {run_dir}: no intact checkpoint to resume from; all {len(problems)} are damaged "
-            f"(newest: {newest.name}, {reason}); nothing was deleted"
-        )
+    note = quarantined_note(run_dir)
+    if problems or note:
+        found = []
+        if problems:
+            newest, reason = problems[0]
+            found.append(f"all {len(problems)} are damaged (newest: {newest.name}, {reason})")
+        if note:
+            found.append(note)
+        raise UserError(f"--run-dir {run_dir}: no intact checkpoint to resume from; {'; '.join(found)}; nothing was deleted")
     return None
 
 

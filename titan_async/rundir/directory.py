@@ -16,9 +16,12 @@ LAUNCH_FILE = "launch.json"
 CHECKPOINT_DIR = "checkpoint"
 RESUME_STAGED_FILE = "resume.staged.json"
 RESUME_HISTORY_FILE = "resume_history.jsonl"
+DAMAGED_DIR = "damaged_checkpoints"
+"""Where checkpoints found damaged in place when loaded are moved (`checkpoints.quarantine`):
+outside CHECKPOINT_DIR, so that no scan for step-N directories there finds them."""
 OVERWRITTEN_DIR = "overwritten"
-RUN_FILES = (CONFIG_FILE, LAUNCH_FILE, CHECKPOINT_DIR, "tb", "logs", "metrics.jsonl", STOPPED_FILE, "comm_traces",
-             "pipeline", "optimizer_groups.txt", "report", "compare", "benchmarks", RESUME_STAGED_FILE,
+RUN_FILES = (CONFIG_FILE, LAUNCH_FILE, CHECKPOINT_DIR, DAMAGED_DIR, "tb", "logs", "metrics.jsonl", STOPPED_FILE,
+             "comm_traces", "pipeline", "optimizer_groups.txt", "report", "compare", "benchmarks", RESUME_STAGED_FILE,
              RESUME_HISTORY_FILE)
 """What a run writes into its directory, its lock aside: what `train --overwrite` moves away."""
 

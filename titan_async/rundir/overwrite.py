@@ -14,14 +14,14 @@ from pathlib import Path
 
 from titan_async.core.errors import UserError
 from titan_async.rundir.checkpoints import has_intact_checkpoint
-from titan_async.rundir.directory import CHECKPOINT_DIR, OVERWRITTEN_DIR, RUN_FILES
+from titan_async.rundir.directory import CHECKPOINT_DIR, DAMAGED_DIR, OVERWRITTEN_DIR, RUN_FILES
 
 _PARTIAL = OVERWRITTEN_DIR + ".partial"
 
 
 def _holds_checkpoints(run_dir: Path) -> bool:
-    folder = run_dir / CHECKPOINT_DIR
-    return folder.is_dir() and any(folder.iterdir())
+    """Whether `run_dir` holds checkpoints, intact or moved aside as damaged."""
+    return any((run_dir / name).is_dir() and any((run_dir / name).iterdir()) for name in (CHECKPOINT_DIR, DAMAGED_DIR))
 
 
 def _undo_interrupted_move(run_dir: Path) -> None:

@@ -7,9 +7,16 @@ the coordinator gives each file a node needs to one of that node's ranks that lo
 with the fewest bytes to verify so far, largest files first, with its recorded CRC-32
 (`prepare_global_plan`, `share_out`); each rank verifies its share before it reads
 (`read_data`). DCP gathers every rank's failure after the reads, so a mismatch fails the load on
-all ranks alike: `verify_loads` turns it into one `AgreedError` naming the file. Only files with a
-recorded checksum are verified; the launcher's checks (`titan_async.rundir.checkpoints.damage`)
-make sure that a checkpoint it resumes from has one for every file.
+all ranks alike, as one `DamagedCheckpoint` naming the file. Only files with a recorded checksum are
+verified; the launcher's checks (`titan_async.rundir.checkpoints.damage`) make sure that a
+checkpoint it resumes from has one for every file.
+
+A damaged checkpoint of the run does not end it (`load_intact`): once no rank reads it any more,
+rank 0 moves it to RUN/damaged_checkpoints/ and picks the latest intact checkpoint before it, which
+every rank then loads, all its states (a full load overwrites each state the damaged one may have
+partly written: DCP reads into the states' tensors in place and requires every key it loads, and
+calls their `load_state_dict` only after a whole read), until a load succeeds; with no earlier
+intact checkpoint, the load fails on every rank with one `AgreedError`.
 """
 
 from __future__ import annotations
@@ -20,14 +27,15 @@ import socket
 import time
 from pathlib import Path
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlan
 from torchtitan.components.checkpointer.base import MODEL
 
-from titan_async.core.errors import AgreedError
-from titan_async.rundir import checksums
+from titan_async.core.errors import AgreedError, UserError
+from titan_async.rundir import checkpoints, checksums
 
 
 def share_out(wanted: list[tuple[str, list[str]]], sizes: dict[str, int]) -> list[list[str]]:
@@ -46,6 +54,17 @@ def share_out(wanted: list[tuple[str, list[str]]], sizes: dict[str, int]) -> lis
             shares[rank].append(name)
             load[rank] += sizes.get(name, 0)
     return shares
+
+
+class DamagedCheckpoint(AgreedError):
+    """A file of `checkpoint` that does not match its recorded checksum (`problem`), found by a load."""
+
+    def __init__(self, checkpoint: str, problem: str) -> None:
+        super().__init__(checkpoint, problem)  # the arguments, as pickle remakes it (DCP gathers failures)
+        self.checkpoint, self.problem = Path(checkpoint), problem
+
+    def __str__(self) -> str:
+        return f"checkpoint {self.checkpoint}: {self.problem}; nothing was deleted"
 
 
 class VerifyingReader(FileSystemReader):
@@ -72,15 +91,13 @@ class VerifyingReader(FileSystemReader):
         logging.getLogger("titan_async").info(
             f"checksummed {len(plan.storage_data)} files ({read} bytes) of {checkpoint} in {time.perf_counter() - start:.2f} s")
         if problem is not None:
-            raise AgreedError(f"checkpoint {checkpoint}: {problem}; nothing was deleted: move {checkpoint.name} "
-                              f"out of {checkpoint.parent} to resume from an earlier checkpoint")
+            raise DamagedCheckpoint(str(checkpoint), problem)
         return super().read_data(plan, planner)
 
 
 def verify_loads(checkpointer) -> None:
     """Have torchtitan's `checkpointer` load DCP checkpoints through `VerifyingReader` (loads of
-    Hugging Face weights are left to it); a checksum mismatch on any rank raises the same
-    `AgreedError` on every rank."""
+    Hugging Face weights are left to it), falling back from damaged ones (`load_intact`)."""
     torchtitan_load = checkpointer.dcp_load
 
     def dcp_load(state_dict, checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
@@ -97,3 +114,61 @@ def verify_loads(checkpointer) -> None:
             checkpointer.states[MODEL].load_state_dict(state_dict)
 
     checkpointer.dcp_load = dcp_load
+    load_intact(checkpointer)
+
+
+def load_intact(checkpointer) -> None:
+    """Make `checkpointer.load(step)` load the latest intact checkpoint from `step` down: a damaged
+    one (`DamagedCheckpoint`, on every rank alike) of the run's checkpoint folder is moved aside
+    and the load retried from the step rank 0 picks (`_fallback`)."""
+    load = checkpointer.load
+
+    def load_falling_back(step: int = -1) -> bool:
+        while True:
+            try:
+                return load(step)
+            except DamagedCheckpoint as damaged:
+                if damaged.checkpoint.parent.resolve() != Path(checkpointer.folder).resolve():
+                    raise  # not one of the run's checkpoints (`checkpoint.initial_load_path`): left where it is
+                step = _fallback(damaged.checkpoint, damaged.problem)
+
+    checkpointer.load = load_falling_back
+
+
+def _fallback(checkpoint: Path, problem: str) -> int:
+    """The step every rank loads instead of the damaged `checkpoint`: after every rank has stopped
+    reading it, rank 0 moves it aside (`checkpoints.quarantine`), picks the latest intact
+    checkpoint before it with the cheap checks and warns in one line; AgreedError on every rank
+    when there is none (a step-0 checkpoint holds the model only: no fallback for the other states)."""
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    if distributed:
+        dist.barrier()
+    choice: list[int | str | None] = [None]
+    if not distributed or dist.get_rank() == 0:
+        choice = [_rank0s_fallback(checkpoint, problem)]
+    if distributed:
+        dist.broadcast_object_list(choice, src=0)
+    if isinstance(choice[0], str):
+        raise AgreedError(choice[0])
+    return choice[0]
+
+
+def _rank0s_fallback(checkpoint: Path, problem: str) -> int | str:
+    """Rank 0's part of `_fallback`: the step to load, or the one-line reason there is none."""
+    run_dir, step = checkpoint.parent.parent, int(checkpoint.name.removeprefix("step-"))
+    moved = checkpoints.quarantine(checkpoint)
+    skipped: list[str] = []
+    try:
+        point = checkpoints.resume_point(run_dir, skipped.append, before=step)
+    except UserError:  # every earlier one is damaged too
+        point = None
+    if point is None or point[0] == 0:
+        return (f"no intact checkpoint to resume from: {checkpoint} is damaged ({problem}), and no earlier one is intact; "
+                f"{checkpoints.quarantined_note(run_dir)}; nothing was deleted")
+    log = logging.getLogger("titan_async")
+    log.warning(f"checkpoint {checkpoint} is damaged ({problem}); moved to {moved}; resuming from {point[1].name} "
+                f"(its later steps train again)")
+    for line in skipped:
+        log.warning(line)
+    return point[0]
+
