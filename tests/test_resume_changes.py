@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import tomllib
 from operator import attrgetter
 
@@ -194,6 +197,11 @@ def attrgetter_toml(document: dict, key: str):
     (["training.steps=1"], "--set 'training.steps=1': the run resumes from its checkpoint at step 2; expected training.steps > 2"),
     ([], "the run is complete (its checkpoint is at step 2, training.steps = 2); to train on, resume with --set training.steps=N, N > 2"),
     (["training.steps=4", "optimizer.weight_decay=-1"], "optimizer.weight_decay: expected a number >= 0, got -1.0"),
+    # Before: the workers' checkpoint load failed with a traceback.
+    (["training.steps=4", "model.n_layers=5"], "model.n_layers: the checkpoints hold the weights of a model with "
+                                               "model.n_layers = 4, resume cannot switch to 5"),
+    (["training.steps=4", "data.vocab_size=1024"], "data.vocab_size: the checkpoints hold the weights of a model with "
+                                                   "data.vocab_size = 2048, resume cannot switch to 1024"),
 ])
 def test_resume_refuses_a_run_that_would_train_nothing_or_a_bad_value(runs, capsys, assignments, message):
     """Before: training.steps at the checkpoint's step trained nothing and exited 0, below it
@@ -209,20 +217,30 @@ def test_resume_refuses_a_run_that_would_train_nothing_or_a_bad_value(runs, caps
     assert (run_dir / "config.toml").read_bytes() == config and not (run_dir / "resume.staged.json").exists()
 
 
-def test_a_resume_that_fails_in_its_workers_leaves_the_config_and_a_plain_resume_works(runs, tmp_path):
-    """A model change passes the launcher's checks and fails the workers' checkpoint load (a block
-    the checkpoint lacks): config.toml stays byte for byte, and the next plain resume trains on the
-    config that was in effect."""
+def test_a_resume_stopped_before_its_workers_loaded_leaves_the_config_and_a_plain_resume_works(runs, tmp_path):
+    """A resume whose workers never reach their first step (killed while they start, as a lost node
+    or a failure only the workers find would stop them) leaves config.toml byte for byte and the
+    history as they were; the next plain resume trains on the config that was in effect."""
     run_dir = tmp_path / "run"
     shutil.copytree(runs / "adamw-resumed", run_dir)
     shutil.rmtree(run_dir / "checkpoint" / "step-4")  # the run now resumes from step 3 of 4
     config, history = (run_dir / "config.toml").read_bytes(), (run_dir / "resume_history.jsonl").read_bytes()
-    failed = run_cli("resume", "--run-dir", str(run_dir), *sets("model.n_layers=5"), check=False)
-    assert failed.returncode != 0 and "layers.4" in failed.stderr, failed.stderr[-3000:]
+    rows = (run_dir / "metrics.jsonl").read_bytes()
+    resume = subprocess.Popen([sys.executable, "-m", "titan_async.cli", "resume", "--run-dir", str(run_dir),
+                               *sets("optimizer.lr=0.02")], cwd=REPO, env=fresh_environment(), start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    staged = run_dir / "resume.staged.json"
+    while not staged.exists():
+        assert resume.poll() is None, "the resume ended before it staged its config"
+        time.sleep(0.01)
+    os.killpg(resume.pid, signal.SIGKILL)
+    resume.wait()
+    assert (run_dir / "metrics.jsonl").read_bytes() == rows, "killed after its first step"
     assert (run_dir / "config.toml").read_bytes() == config
     assert (run_dir / "resume_history.jsonl").read_bytes() == history
     run_cli("resume", "--run-dir", str(run_dir))
-    assert (run_dir / "config.toml").read_bytes() == config
+    assert (run_dir / "config.toml").read_bytes() == config and not staged.exists()
     entries = [json.loads(line) for line in (run_dir / "resume_history.jsonl").read_text().splitlines()]
     assert [(entry["resumed_step"], entry["set"], entry["changed"]) for entry in entries[1:]] == [(3, [], {})]
-    assert sorted(losses(run_dir)) == [1, 2, 3, 4] and losses(run_dir)[4] == losses(runs / "adamw-resumed")[4]
+    assert metrics(run_dir)[4]["lr/AdamW"] == metrics(runs / "adamw-resumed")[4]["lr/AdamW"]
+    assert losses(run_dir)[4] == losses(runs / "adamw-resumed")[4]

@@ -61,12 +61,32 @@ def checkpoint_contents(run: RunConfig) -> dict[str, object]:
 _SWITCH_ADVICE = "start a new run (train --run-dir NEW), or keep the setting"
 
 
+def model_shape(run: RunConfig) -> dict[str, object]:
+    """The keys that decide the shapes of the weights a checkpoint holds, with their resolved values
+    (the tokenizer's settings too when the vocabulary is the tokenizer's)."""
+    try:
+        sizes = run.model.resolved(0)
+    except ValueError as err:
+        raise UserError(f"{run.source}: {err}") from None
+    shape = {"model.family": run.model.family,
+             **{f"model.{key}": value for key, value in sizes.items() if key not in ("top_k", "expert_precision")}}
+    if sizes["vocab_size"] == 0:
+        shape.update({"data.tokenizer": run.data.tokenizer, "data.vocab_size": run.data.vocab_size})
+    return shape
+
+
 def check_resumable(saved: RunConfig, run: RunConfig) -> None:
-    """Raise UserError when `run` would need states that `saved`'s checkpoints do not hold."""
+    """Raise UserError when `run` would need states that `saved`'s checkpoints do not hold: other
+    weight versions or optimizer states, or weights of another shape."""
     before, after = checkpoint_contents(saved), checkpoint_contents(run)
     for key, value in before.items():
         if after[key] != value:
             raise UserError(f"{key}: the checkpoints hold state for {value!r}, resume cannot switch to {after[key]!r}; {_SWITCH_ADVICE}")
+    before, after = model_shape(saved), model_shape(run)
+    for key, value in before.items():
+        if after.get(key) != value:
+            raise UserError(f"{key}: the checkpoints hold the weights of a model with {key} = {value!r}, resume cannot "
+                            f"switch to {after.get(key)!r}; {_SWITCH_ADVICE}")
 
 
 def refuse_switches(saved: RunConfig, assignments: list[str]) -> None:
