@@ -24,7 +24,9 @@ checks). What it takes from elsewhere:
   d = coeff * sign(mean(count) - count)) written out, and with `model.expert_precision = "full"`
   the experts' SwiGLU written out per expert in float32;
 - the optimizer: torch.optim.AdamW (fused, as configured), with torchtitan's warm-up/stable/decay
-  learning-rate factor transcribed, and each stage's gradient clipped on its own when it steps;
+  learning-rate factor transcribed, and each stage's gradient clipped on its own when it steps,
+  except in the synchronous steps of a Sync Start, which clip the global norm as torch's
+  synchronous schedules do (`global_norm`);
 - the stage boundaries: 2 stages of 4 layers, as torchtitan splits them (stage 0:
   tok_embeddings, layers.0-1; stage 1: layers.2-3, norm, lm_head), or the run's own
   `parallelism.module_fqns_per_model_part`.
@@ -440,9 +442,15 @@ class StageOptimizer:
         """Set: clip by the global norm of an earlier update instead of the stage's own."""
 
     @torch.no_grad()
-    def step(self, lr_step: int) -> None:
+    def step(self, lr_step: int, global_norm: float | None = None) -> None:
+        """One update; with `global_norm` G (a synchronous step) the gradient is scaled by
+        min(1, max_norm / (G + 1e-6)) instead of by the stage's own or lagged norm."""
         settings = self.settings
-        if self.lagged is None:
+        if global_norm is not None:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.params])
+            for param in self.params:
+                param.grad.mul_(min(1.0, settings.max_norm / (global_norm + 1e-6)))
+        elif self.lagged is None:
             norm = torch.nn.utils.clip_grad_norm_(self.params, settings.max_norm, foreach=True)
         else:
             norm = self.lagged.clip(self.params, self.updates + 1)
@@ -480,11 +488,18 @@ class StageOptimizer:
             param.grad = None
 
     def skip(self) -> None:
-        """A skipped update: weights and optimizer state kept, the gradient dropped, norm 0."""
-        self.norms.append(0.0)
+        """A skipped update: weights and optimizer state kept, the gradient dropped, its norm not
+        a number (so is the global norm of that update)."""
+        self.norms.append(math.nan)
         self.updates += 1
         for param in self.params:
             param.grad = None
+
+
+def global_norm(optimizers: list[StageOptimizer]) -> float:
+    """G of a synchronous step: the square root of the sum over the stages of each stage's squared
+    gradient norm (every stage holds its gradient of the whole batch)."""
+    return math.sqrt(sum(float(torch.nn.utils.get_total_norm([p.grad for p in o.params]).double()) ** 2 for o in optimizers))
 
 
 @dataclass
@@ -508,7 +523,9 @@ class LaggedGlobalClip:
     """`training.clipping = "lagged_global"`: update u of every stage, applying a batch fed at step
     t = step_of_update(u), has its gradient scaled by max_norm / (G + 1e-6) where that is below 1,
     G the global norm the row of step t - lag logs (the norm of update update_of_row(t - lag) over
-    every stage); before step lag + 1 each stage clips to max_norm / sqrt(stages) on its own."""
+    every stage), and by max_norm / (n + 1e-6) where that is smaller, n the stage's own norm of
+    update u (a spike is clipped when it happens); before step lag + 1, and where G is not a
+    number (an update skipped), each stage clips to max_norm / sqrt(stages) on its own."""
 
     def __init__(self, settings: Settings, optimizers: list[StageOptimizer], step_of_update, update_of_row, lag: int = 3) -> None:
         self.max_norm, self.optimizers, self.lag = settings.max_norm, optimizers, lag
@@ -518,14 +535,14 @@ class LaggedGlobalClip:
 
     def clip(self, params: list[nn.Parameter], update: int) -> torch.Tensor:
         row = self.step_of_update(update) - self.lag
-        if row < 1:
+        update = self.update_of_row(row)  # 0: no update yet, a zero norm
+        known = math.sqrt(sum(o.norms[update - 1] ** 2 for o in self.optimizers)) if row >= 1 and update else 0.0
+        if row < 1 or not math.isfinite(known):
             return torch.nn.utils.clip_grad_norm_(params, self.max_norm / math.sqrt(len(self.optimizers)), foreach=True)
         norm = torch.nn.utils.clip_grad_norm_(params, math.inf, foreach=True)
-        update = self.update_of_row(row)  # 0: no update yet, a zero norm
-        known = math.sqrt(sum(o.norms[update - 1] ** 2 for o in self.optimizers)) if update else 0.0
-        if self.max_norm / (known + 1e-6) < 1:
-            for param in params:
-                param.grad.mul_(self.max_norm / (known + 1e-6))
+        factor = min(1.0, self.max_norm / (known + 1e-6), self.max_norm / (float(norm) + 1e-6))
+        for param in params:
+            param.grad.mul_(factor)
         return norm
 
 
@@ -587,8 +604,9 @@ def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "
     update u applies the batch fed at step u, and the row of step t logs update t); each (stage, u)
     of `skipped` leaves that stage's weights and optimizer state as they are at update u (a
     non-finite gradient: its norm counts as 0), its lr schedule and expert biases moving on.
-    Sync Start: the first `sync_start` steps take the gradient at W[k]; then the rule restarts as
-    from fresh weights W[sync_start] (W[sync_start - 1] := W[sync_start]).
+    Sync Start: the first `sync_start` steps take the gradient at W[k] and clip the global norm
+    (`global_norm`); then the rule restarts as from fresh weights W[sync_start]
+    (W[sync_start - 1] := W[sync_start]).
     Weight prediction (horizon h = `prediction` > 0): the gradient is taken at
     W[k-1] + h (W[k-1] - W[k-2]) instead of W[k-1], with W[-2] = W[-1] = W[0]."""
     model = build_model(settings)  # holds W[k]
@@ -635,11 +653,12 @@ def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "
                 balance_load(model, counts, settings.load_balance_coeff)
             for param, source in zip(model.parameters(), at.parameters()):
                 param.grad = source.grad.clone()
+            synchronous = global_norm(optimizers) if k < sync_start else None
             for stage, optimizer in enumerate(optimizers):
                 if (stage, k + 1) in skipped:
                     optimizer.skip()
                 else:
-                    optimizer.step(k)
+                    optimizer.step(k, synchronous)
             older.load_state_dict(previous.state_dict())
             previous.load_state_dict(latest)
         losses[k + 1] = total
@@ -710,7 +729,8 @@ def paci(settings: Settings, batches: list[list[Microbatch]], drains: set[int], 
     later; `backward_weights="forward"` runs a backward that crossed a local step at the
     forward's weights (a stash, as PipeDream keeps), not the current ones.
     Sync Start: the first `sync_start` steps are synchronous (each stage steps once per batch,
-    u at lr step u - 1, the stream drained after each); the rule above then counts its
+    u at lr step u - 1, the stream drained after each, once every stage has the batch's
+    gradient: clipped by the global norm, `global_norm`); the rule above then counts its
     backwards and updates from there (update N + v at lr step N + floor((v - 1) a / m)).
     `lagged_clip` as in `two_bw` (without Sync Start): update u covers microbatches
     [(u - 1) a, u a), so it applies a batch fed at step floor((u a - 1) / m) + 1, and the row of
@@ -744,7 +764,7 @@ def paci(settings: Settings, batches: list[list[Microbatch]], drains: set[int], 
             block.tokens_per_expert_E.zero_()
         return counts
 
-    def step(stage: int, lr_step: int) -> None:
+    def step(stage: int, lr_step: int, synchronous: float | None = None) -> None:
         if stage == 0:
             before.update({n: p.detach().clone() for n, p in model.named_parameters() if stage_of(n, settings.stages) == 0})
         if blocks[stage]:
@@ -753,14 +773,21 @@ def paci(settings: Settings, batches: list[list[Microbatch]], drains: set[int], 
                     delta = settings.load_balance_coeff * torch.sign(row.mean() - row)
                     block.expert_bias_E.add_(delta - delta.mean())
             routed[stage].clear()
-        optimizers[stage].step(lr_step)
+        optimizers[stage].step(lr_step, synchronous)
         updates[stage] += 1
+
+    completed: list[int] = []  # the stages that have their gradient of the synchronous batch
 
     def after_backward(stage: int) -> None:
         counts[stage] += 1
         if counts[stage] <= sync_start * m:
             if counts[stage] % m == 0:
-                step(stage, updates[stage])
+                completed.append(stage)
+            if len(completed) == len(optimizers):
+                norm = global_norm(optimizers)
+                for done in sorted(completed):
+                    step(done, updates[done], norm)
+                completed.clear()
             return
         count, update = counts[stage] - sync_start * m, updates[stage] - sync_start
         if count >= a + late and (count - late) % a == 0:

@@ -21,7 +21,11 @@ def test_nan_gradient_skips_update_then_stops_resumably(tmp_path):
     assert result.returncode == 3, result.stderr[-3000:]
     assert "non-finite gradients" in result.stdout
     assert json.loads((run / "stopped.json").read_text()) == {"step": 3, "reason": "nonfinite"}
-    assert "stage 0 (rank 0) has a non-finite gradient" in (run / "logs" / "rank0.log").read_text()
+    log = (run / "logs" / "rank0.log").read_text()
+    assert "stage 0 (rank 0) has a non-finite gradient" in log
+    # Step 3 is a checkpoint step: torchtitan's periodic save wrote it, and the stop saves no second copy.
+    assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["step-1", "step-2", "step-3"]
+    assert log.count("Saving the checkpoint.") == 3 and "checkpoint at last step" not in log, log
     before, after = checkpoint_weights(run / "checkpoint" / "step-2"), checkpoint_weights(run / "checkpoint" / "step-3")
     assert all(torch.equal(before[k], after[k]) for k in before)
 

@@ -22,6 +22,8 @@ non-finite gradient on one rank of a two-rank stage under FSDP, replicas and EP 
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 
 import pytest
@@ -63,9 +65,16 @@ def differences(run: Path, weights: dict[str, torch.Tensor], result: ref.Result,
     assert result.weights.keys() == weights.keys() and len(weights) > 10
     return {
         "loss": max(abs(result.losses[s] / logged[s]["loss_metrics/global_avg_loss"] - 1) for s in logged),
-        "grad_norm": max(abs(result.global_norm(update_of_step(s)) / logged[s]["grad_norm"] - 1) for s in logged),
+        "grad_norm": max(relative_difference(result.global_norm(update_of_step(s)), logged[s]["grad_norm"]) for s in logged),
         "weights": max(float((result.weights[k] - weights[k]).norm() / weights[k].norm()) for k in weights),
     }
+
+
+def relative_difference(expected: float, found: float) -> float:
+    """|expected / found - 1|; 0 when both are NaN (an update skipped in both), inf when one is."""
+    if math.isnan(expected) or math.isnan(found):
+        return 0.0 if math.isnan(expected) and math.isnan(found) else math.inf
+    return abs(expected / found - 1)
 
 
 def assert_equal(found: dict[str, float]) -> None:
@@ -121,19 +130,26 @@ def test_2bw_lagged_clipping_and_weight_prediction_and_their_resume_equal_the_in
     every update from step 4 on is scaled, on both stages alike) and `training.weight_prediction
     = 1` (each delayed gradient taken at W[k-1] + (W[k-1] - W[k-2]), three weight copies per
     stage), in one run stopped at the step-3 checkpoint and resumed: the lagged norms and the
-    predicted versions must come back from it. Controls: per-stage clipping, the norm of one step
-    later than the run may know, no prediction, and horizon 2."""
+    predicted versions must come back from it. Stage 1's gradient is NaN at step 2: it skips
+    update 2 on the device, whose logged norm is then NaN, so step 5's update, which would
+    scale by it, clips per stage (the reference's `skipped`; a norm of stage 0's alone would
+    let stage 1's gradient through nearly unscaled). Controls: per-stage clipping, the norm of
+    one step later than the run may know, no prediction, horizon 2, and no skip."""
+    skipped = frozenset({(1, 2)})
     run = resumed_at_step_3(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PipeDream2BW",
-                            "training.clipping=lagged_global", "training.weight_prediction=1")
+                            "training.clipping=lagged_global", "training.weight_prediction=1",
+                            "health.inject_nonfinite_steps=[2]", "health.inject_stage=1")
+    assert "step 2: stage 1 (rank 1) has a non-finite gradient" in (run / "logs" / "rank1.log").read_text()
+    assert math.isnan(metrics(run)[2]["grad_norm"])
     settings, batches, weights = reference_inputs(run)
     update_of_step = lambda step: step
-    assert_equal(differences(run, weights, ref.two_bw(settings, batches, lagged_clip=3, prediction=1.0), update_of_step))
-    per_stage = differences(run, weights, ref.two_bw(settings, batches, prediction=1.0), update_of_step)
+    both = {"lagged_clip": 3, "prediction": 1.0, "skipped": skipped}
+    assert_equal(differences(run, weights, ref.two_bw(settings, batches, **both), update_of_step))
+    per_stage = differences(run, weights, ref.two_bw(settings, batches, prediction=1.0, skipped=skipped), update_of_step)
     print("control:", per_stage)  # AdamW hardly sees a gradient's scale: the losses of steps 4-6 move by ~1e-4
     assert per_stage["loss"] > 3e-5 and per_stage["grad_norm"] > 1e-4 and per_stage["weights"] > 1e-2, per_stage
-    assert_different(differences(run, weights, ref.two_bw(settings, batches, lagged_clip=2, prediction=1.0), update_of_step))
-    assert_different(differences(run, weights, ref.two_bw(settings, batches, lagged_clip=3), update_of_step))
-    assert_different(differences(run, weights, ref.two_bw(settings, batches, lagged_clip=3, prediction=2.0), update_of_step))
+    for control in ({**both, "lagged_clip": 2}, {**both, "prediction": 0.0}, {**both, "prediction": 2.0}, {**both, "skipped": frozenset()}):
+        assert_different(differences(run, weights, ref.two_bw(settings, batches, **control), update_of_step))
 
 
 def test_paci_lagged_clipping_and_weight_prediction_and_their_resume_equal_the_independent_reference(tmp_path):

@@ -3,9 +3,12 @@ schedule as if it started from the weights after step N. CLI runs, PP 2 on 2 glo
 the tiniest model, N = 3 of 6 steps, checkpoints at steps 2, 4 and 6 (one before the switch,
 one after).
 
-The synchronous baseline is the same config under torch's 1F1B. It clips the global gradient
-norm while each streaming stage clips its own, so `training.max_norm` is set above every norm
-here: no clip is active and both compute the same updates. The later steps are checked against
+The synchronous baseline is the same config under torch's 1F1B, which clips the global gradient
+norm; so do the synchronous steps of a Sync Start (drained: the global norm exists), while after
+the switch each stage clips its own. `training.max_norm` = MAX_NORM clips the synchronous step
+with the largest global norm (step 2, ~0.87) and none after the switch (each below ~0.82): the
+synchronous steps test the global clip, and the delayed rule (`training.gradient_delay = 1`, one
+model: the global clip at every step) still computes 2BW's updates. The later steps are checked against
 `independent_reference.two_bw(sync_start=N)` and `paci(sync_start=N)` (a = m and a = 3), which
 import nothing from titan_async, to 1e-5 relative (as tests/test_independent_reference.py), and
 a reference that switches one step late (or never) must not match."""
@@ -25,8 +28,9 @@ N = 3
 STEPS = 6
 M, A = 4, 3
 """Microbatches per step (TINY's local batch of 4, microbatches of 1), and the PACI run's local accumulation."""
+MAX_NORM = 0.85
 SETTINGS = (*TINY, f"training.steps={STEPS}", f"lr_scheduler.total_steps={STEPS}", "checkpoint.interval=2",
-            "validation.enable=false", "training.max_norm=1000", "parallelism.pipeline_parallel_microbatch_size=1")
+            "validation.enable=false", f"training.max_norm={MAX_NORM}", "parallelism.pipeline_parallel_microbatch_size=1")
 SYNC_START = (f"training.sync_start_steps={N}",)
 
 
@@ -85,11 +89,22 @@ def reference_inputs(run: Path):
     return settings, ref.read_batches(run / "batches", settings)
 
 
+def test_max_norm_clips_a_synchronous_step_and_none_after_the_switch(runs):
+    """The premise of the tests below, on the logged global norms (before clipping): 1F1B clips a
+    synchronous step (else the global clip would go untested), and 2BW clips neither the global
+    norm nor a stage's own after the switch (else the delayed rule, which clips the global norm
+    at every step, would not compute 2BW's updates)."""
+    synchronous, two_bw = metrics(runs["1f1b"]), metrics(runs["2bw"])
+    assert max(synchronous[step]["grad_norm"] for step in range(1, N + 1)) > MAX_NORM
+    assert max(two_bw[step]["grad_norm"] for step in range(N + 1, STEPS + 1)) < MAX_NORM
+
+
 @pytest.mark.parametrize("schedule", ["2bw", "paci", "paci_a3"])
 def test_the_first_steps_equal_the_synchronous_run(runs, schedule):
-    """Bit for bit: the same microbatches accumulate in the same order, and no clip is active.
-    The last step differs: the run did switch. (PACI's step N + 2 is synchronous too: on 2
-    stages with a = m its stream drained at the checkpoint of step N + 1.)"""
+    """Bit for bit: the same microbatches accumulate in the same order, and the synchronous steps
+    clip the same global norm (summed over the stages as torchtitan sums it). The last step
+    differs: the run did switch. (PACI's step N + 2 is synchronous too: on 2 stages with a = m
+    its stream drained at the checkpoint of step N + 1.)"""
     sync_start, synchronous = losses(runs[schedule]), losses(runs["1f1b"])
     print({step: (sync_start[step], synchronous[step]) for step in range(1, STEPS + 1)})
     assert [sync_start[step] for step in range(1, N + 1)] == [synchronous[step] for step in range(1, N + 1)]

@@ -36,7 +36,9 @@ class StageExecutor:
     (every stage in this process, the single-process emulation).
 
     `optimizer_step` is called whenever the policy completes a batch (2BW) or an
-    accumulation (PACI); it must clip, step and zero this stage's gradients.
+    accumulation (PACI); it must clip, step and zero this stage's gradients. With
+    `hold_updates` (a synchronous window of a Sync Start) a completed update waits in `held`
+    until `apply_held`, once every stage has its gradient of the batch.
     """
 
     def __init__(
@@ -62,6 +64,8 @@ class StageExecutor:
         self.in_flight: dict[int, _InFlight] = {}
         self.updates_at_forward: dict[int, int] = {}
         self.crossed: list[int] = []
+        self.hold_updates = False
+        self.held: list[int] = []
 
     def ready(self, action: _Action) -> bool:
         """Whether the input `action` waits for has arrived (always true for blocking transports)."""
@@ -122,9 +126,22 @@ class StageExecutor:
             self.balance.after_backward(k)
         self.crossed.append(self.policy.delay(k, self.policy.updates - self.updates_at_forward.pop(k)))
         completed = self.policy.after_backward(k)
-        if completed is not None:
-            with self.timeline.action(f"{self.stage}O{completed}"):
-                self.policy.apply_update(completed, optimizer_step)
+        if completed is None:
+            return
+        if self.hold_updates:
+            self.held.append(completed)
+        else:
+            self._apply_update(completed, optimizer_step)
+
+    def apply_held(self, optimizer_step: Callable[[], None]) -> None:
+        """Make the updates held back since `hold_updates` was set, in order."""
+        held, self.held = self.held, []
+        for completed in held:
+            self._apply_update(completed, optimizer_step)
+
+    def _apply_update(self, completed: int, optimizer_step: Callable[[], None]) -> None:
+        with self.timeline.action(f"{self.stage}O{completed}"):
+            self.policy.apply_update(completed, optimizer_step)
 
     @torch.no_grad()
     def evaluate(self, microbatches: list[Microbatch], loss_kwargs: dict[str, Any], first_id: int) -> list[torch.Tensor]:

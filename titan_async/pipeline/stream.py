@@ -61,11 +61,17 @@ class StreamEngine:
                 raise RuntimeError(f"pipeline stream stalled in window {self.window}: {dict(queues)}")
         return losses
 
-    def run_window(self, window: int, microbatches: list[Microbatch], loss_kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    def run_window(self, window: int, microbatches: list[Microbatch], loss_kwargs: dict[str, Any],
+                   synchronous: bool = False) -> list[torch.Tensor]:
         """Feed batch `window` (0-based training step); returns its microbatches' losses (last stage).
 
         Microbatch ids are global (window * microbatches + j), so a run resumed from a
-        (drained) checkpoint continues the same ids and weight versions."""
+        (drained) checkpoint continues the same ids and weight versions. `synchronous` (a step
+        of a Sync Start, drained next): every stage's update of the batch waits for the end of
+        the drain, where each stage's gradient of the whole batch is complete (a global norm
+        exists) and no message is in flight."""
+        for executor in self.executors:
+            executor.hold_updates = synchronous
         self.window = window
         first = window * self.microbatches
         self.loss_kwargs = loss_kwargs
@@ -76,7 +82,8 @@ class StreamEngine:
         return losses
 
     def drain(self) -> None:
-        """Run the backwards still in flight, so no microbatch crosses this point."""
+        """Run the backwards still in flight, so no microbatch crosses this point; then the
+        updates a synchronous window held back, stage by stage."""
         if self.drained:
             return
         comm_log.note({"op": "drain"})
@@ -85,3 +92,5 @@ class StreamEngine:
         for executor in self.executors:
             executor.transport.finish_sends()
         self.drained = True
+        for executor in self.executors:
+            executor.apply_held(self.optimizer_steps[executor.stage])

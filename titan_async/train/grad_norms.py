@@ -30,9 +30,16 @@ class StageGradNorms:
         """update -> stage -> squared norm (a device scalar), for this process's stages."""
         self.started: dict[int, LateAllReduce | torch.Tensor] = {}
 
-    def record(self, stage: int, update: int, norm: torch.Tensor | None) -> None:
-        """Stage `stage` made update `update` with gradient norm `norm` (None: it skipped the update)."""
-        square = norm.detach().float().square() if norm is not None else torch.tensor(math.nan, device=self.device)
+    def record(self, stage: int, update: int, norm: torch.Tensor | None, found_inf: torch.Tensor | None = None) -> None:
+        """Stage `stage` made update `update` with gradient norm `norm` (None: the health check
+        skipped it on the host; `found_inf` 1: on the device). A skipped update's square is NaN,
+        so the global norm of its update is not finite (lagged clipping does not use it)."""
+        if norm is None:
+            square = torch.tensor(math.nan, device=self.device)
+        else:
+            square = norm.detach().float().square()
+            if found_inf is not None:  # on the device: no host sync
+                square = torch.where(found_inf.to(square.device) > 0, math.nan, square)
         self.squares.setdefault(update, {})[stage] = square.reshape(()).to(self.device)
 
     def start(self, key: int, update: int, values: list[dict[int, float]]) -> None:
@@ -69,7 +76,15 @@ class LaggedGlobalClipping:
     and each stage's share of an update gets the same factor. Until a row exists (the first LAG steps)
     or while it is not finite (a skipped update), each stage clips its own gradient to
     max_norm / sqrt(stages), which holds the global norm under max_norm. The rows still needed
-    after a drain are checkpointed (`state_dict`), so resume is exact."""
+    after a drain are checkpointed (`state_dict`), so resume is exact.
+
+    A spike is bounded when it happens: the factor is min(1, max_norm / (G + 1e-6),
+    max_norm / (n + 1e-6)), n the stage's own norm of this update. A stage's norm is at most the
+    global norm, so a stage whose own norm exceeds max_norm is certainly over the global bound:
+    it is clipped to max_norm at once, whatever the lagged G says, and the update's global norm
+    stays under sqrt(stages) x max_norm. The factor is torch's clipping factor for the norm
+    max(G, n): n is computed anyway and the factor stays on the device, so no synchronisation is
+    added. Without a spike (n <= G) the rule is the lagged one."""
 
     LAG = 3
 
@@ -94,11 +109,8 @@ class LaggedGlobalClipping:
         if not math.isfinite(known):
             return dist_utils.clip_grad_norm_(params, self.max_norm / math.sqrt(self.stages), foreach=True, ep_enabled=ep_enabled)
         norm = dist_utils.clip_grad_norm_(params, math.inf, foreach=True, ep_enabled=ep_enabled)
-        factor = self.max_norm / (known + 1e-6)
-        if factor < 1:  # a host number: no transfer, no wait
-            for param in params:
-                if param.grad is not None:
-                    param.grad.mul_(factor)
+        # min(1, max_norm / (max(G, n) + 1e-6)): the larger of the lagged and the stage's own norm, on the device
+        torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, torch.clamp(norm, min=known), foreach=True)
         return norm
 
     def state_dict(self) -> dict[str, torch.Tensor]:

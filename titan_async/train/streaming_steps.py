@@ -3,6 +3,7 @@ in this process (the single-process emulation)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +36,9 @@ class StreamingSteps:
     Each stage steps on its own when its policy completes an update: it moves its MoE biases,
     clips its gradient (there is no global synchronisation point: to `training.max_norm` on its
     own, or by a global norm logged three steps earlier, `LaggedGlobalClipping`) and steps its
-    optimizers, the health check deciding on the device where it can.
+    optimizers, the health check deciding on the device where it can. The synchronous steps of a
+    Sync Start are drained, so they clip as torch's synchronous schedules do: every stage's update
+    waits for the drain and is clipped by the global norm of the batch (`_synchronous_norms`).
     `policies` and `balances` hold each local stage's weight policy and load balance.
 
     A logging step's metrics row waits for the global gradient norm of the update that applied
@@ -52,6 +55,10 @@ class StreamingSteps:
         self.stage_group = self._stage_group(emulated)
         self.balances: dict[int, StageLoadBalance] = {}
         self.timeline = None
+        self.stage_optimizers: dict[int, list[int]] = {}
+        """Each local stage's optimizers (indices into `trainer.optimizers`)."""
+        self.synchronous_norms: tuple[int, dict[int, torch.Tensor], torch.Tensor] | None = None
+        """(update, each local stage's norm, the global norm) of the last synchronous update."""
         self.policies = self._emulate_stages() if emulated else self._attach_to_schedule()
         self._balance_expert_load()
         self.grad_norms = self._grad_norms(emulated)
@@ -98,9 +105,9 @@ class StreamingSteps:
         """The stream of this rank's stage under the pipeline schedule."""
         trainer = self.trainer
         schedule, stage = trainer.pp_schedule, trainer.pp_schedule._stage.stage_index
-        every_optimizer = list(range(len(trainer.optimizers.optimizers)))
+        self.stage_optimizers[stage] = list(range(len(trainer.optimizers.optimizers)))
         self.stream = schedule.attach(
-            optimizer_step=lambda: self._stage_optimizer_step(stage, every_optimizer, schedule.policy, self.balances.get(stage)),
+            optimizer_step=lambda: self._stage_optimizer_step(stage, schedule.policy, self.balances.get(stage)),
             microbatches=trainer.gradient_accumulation_steps * trainer.num_pipeline_parallel_microbatches,
             accumulation=trainer.config.parallelism.paci.accumulation,
             keep_trace=trainer.config.metrics.pipeline_trace,
@@ -133,9 +140,8 @@ class StreamingSteps:
             executors.append(
                 StageExecutor(view, stage, len(views), LocalTransport(mailbox, stage), policy, self._loss, Timeline(0, False))
             )
-            owned = self._optimizers_of(view)
-            steps[stage] = lambda stage=stage, owned=owned, policy=policy: self._stage_optimizer_step(
-                stage, owned, policy, self.balances.get(stage))
+            self.stage_optimizers[stage] = self._optimizers_of(view)
+            steps[stage] = lambda stage=stage, policy=policy: self._stage_optimizer_step(stage, policy, self.balances.get(stage))
         self.stream = StreamEngine(executors, len(views), m, steps)
         return policies
 
@@ -160,23 +166,36 @@ class StreamingSteps:
             if all(id(p) in owned for group in optimizer.param_groups for p in group["params"])
         ]
 
-    def _stage_optimizer_step(self, stage: int, indices: list[int], policy, balance: StageLoadBalance | None) -> None:
+    def _params(self, stage: int) -> list[torch.Tensor]:
+        """The parameters local stage `stage`'s optimizers update."""
+        optimizers = [self.trainer.optimizers.optimizers[i] for i in self.stage_optimizers[stage]]
+        return [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
+
+    def _stage_optimizer_step(self, stage: int, policy, balance: StageLoadBalance | None) -> None:
         """Move the stage's expert biases (MoE; also when the health check skips the update: the
-        counts are finite), clip its gradient on its own, step and zero its optimizers, and
-        advance their learning rates by the batches the stage has now completed.
+        counts are finite), clip its gradient (`training.clipping`; by the global norm in the
+        synchronous steps of a Sync Start), step and zero its optimizers, and advance their
+        learning rates by the batches the stage has now completed. A skipped update records a
+        norm that is not finite.
 
         The health check decides on the device when every optimizer can skip an update there
         (`skips_on_device`), so a stage stepping inside a window never waits for the device."""
         trainer = self.trainer
         if balance:
             balance.step()
+        indices = self.stage_optimizers[stage]
         optimizers = [trainer.optimizers.optimizers[i] for i in indices]
-        params = [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
+        params = self._params(stage)
+        synchronous = policy.updates <= trainer.config.training.sync_start_steps
+        stage_norms, global_norm = self._synchronous_norms(policy.updates) if synchronous else (None, None)
         on_device = all(skips_on_device(optimizer) for optimizer in optimizers)
         found_inf = trainer.health.found_nonfinite(trainer.step, stage, params, group=self.stage_group) if on_device else None
         norm, ep_enabled = None, trainer.parallel_dims.ep_enabled
         if on_device or trainer.health.allow_update(trainer.step, stage, params, group=self.stage_group):
-            if self.lagged_clipping:
+            if synchronous:
+                norm = stage_norms[stage]
+                torch.nn.utils.clip_grads_with_norm_(params, trainer.config.training.max_norm, global_norm, foreach=True)
+            elif self.lagged_clipping:
                 norm = self.lagged_clipping.clip(params, policy.step_of_update(policy.updates), ep_enabled)
             else:
                 norm = dist_utils.clip_grad_norm_(params, trainer.config.training.max_norm, foreach=True, ep_enabled=ep_enabled)
@@ -184,13 +203,33 @@ class StreamingSteps:
                 optimizer.found_inf = found_inf
                 optimizer.step()
                 del optimizer.found_inf
-        self.grad_norms.record(stage, policy.updates, norm)
+        self.grad_norms.record(stage, policy.updates, norm, found_inf)
         for optimizer in optimizers:
             optimizer.zero_grad()
         for i in indices:
             scheduler = trainer.lr_schedulers.schedulers[i]
             while scheduler.last_epoch < policy.lr_steps_due():
                 scheduler.step()
+
+    def _synchronous_norms(self, update: int) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """Each local stage's gradient norm and the global norm of synchronous update `update`, as
+        torchtitan's `clip_grad_norm_` with the pp mesh sums them (the squares over the stages,
+        then the square root), the first local stage to step computing them for every local
+        stage: the updates wait for the drain (`StreamEngine.run_window`), where every stage's
+        gradient of the batch is complete and no message is in flight, so the all-reduce over the
+        pipeline ranks waits for no compute. Taken before the health checks, as torchtitan clips
+        before its update is skipped; a stage whose norm is not finite (it skips the update)
+        counts 0, so the other stages' clip stays finite."""
+        if self.synchronous_norms is None or self.synchronous_norms[0] != update:
+            ep_enabled = self.trainer.parallel_dims.ep_enabled
+            norms = {stage: dist_utils.clip_grad_norm_(self._params(stage), math.inf, foreach=True, ep_enabled=ep_enabled)
+                     for stage in self.stage_optimizers}
+            squares = sum(torch.where(norm.isfinite(), norm, 0.0) ** 2.0 for norm in norms.values())
+            if self.grad_norms.group is not None:
+                dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.grad_norms.group)
+            self.synchronous_norms = (update, norms, squares ** (1.0 / 2.0))
+        _, norms, global_norm = self.synchronous_norms
+        return norms, global_norm
 
     def _must_drain(self) -> bool:
         """Whether the step just taken is followed by a checkpoint, validation or the end, or is
@@ -222,7 +261,8 @@ class StreamingSteps:
         with trainer.train_context():
             if self.timeline:
                 self.timeline.start_window()
-            losses = self.stream.run_window(trainer.step - 1, fed, {"global_valid_tokens": global_valid_tokens})
+            synchronous = trainer.step <= trainer.config.training.sync_start_steps
+            losses = self.stream.run_window(trainer.step - 1, fed, {"global_valid_tokens": global_valid_tokens}, synchronous)
             bubble = self.timeline.end_window() if self.timeline else None
             self._take_staleness()
             if trainer.metrics_processor.should_log(trainer.step):
@@ -362,8 +402,9 @@ def clipping_notice(max_norm: float, stages: int, mode: str) -> str:
     """What clipping and loss normalisation a streaming run has, in one line."""
     if mode == "lagged_global":
         clipping = (f"gradient clipping (training.clipping = 'lagged_global'): every stage scales the update applying "
-                    f"step t's batch by min(1, training.max_norm / G) with max_norm = {max_norm:g} and G the global norm "
-                    f"logged at step t - {LaggedGlobalClipping.LAG} (no stage waits for the current one); until then each "
+                    f"step t's batch by min(1, training.max_norm / max(G, n)) with max_norm = {max_norm:g}, G the global norm "
+                    f"logged at step t - {LaggedGlobalClipping.LAG} (no stage waits for the current one) and n the stage's own "
+                    f"norm (a spike is clipped at once); until then, or where G is not finite (a skipped update), each "
                     f"of the {stages} stages clips its own gradient to max_norm / sqrt({stages}) = {max_norm / stages ** 0.5:.4g}")
     else:
         clipping = (f"gradient clipping (training.clipping = 'per_stage'): each of the {stages} stages clips its own gradient "
