@@ -109,8 +109,9 @@ class LaggedGlobalClipping:
         if not math.isfinite(known):
             return dist_utils.clip_grad_norm_(params, self.max_norm / math.sqrt(self.stages), foreach=True, ep_enabled=ep_enabled)
         norm = dist_utils.clip_grad_norm_(params, math.inf, foreach=True, ep_enabled=ep_enabled)
-        # min(1, max_norm / (max(G, n) + 1e-6)): the larger of the lagged and the stage's own norm, on the device
-        torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, torch.clamp(norm, min=known), foreach=True)
+        # min(1, max_norm / (max(G, n) + 1e-6)): the larger of the lagged and the stage's own norm, on the device;
+        # tensor by tensor, as the parameters may lie on several meshes (experts), which one foreach call cannot mix
+        torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, torch.clamp(norm, min=known), foreach=False)
         return norm
 
     def state_dict(self) -> dict[str, torch.Tensor]:
