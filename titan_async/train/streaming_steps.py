@@ -194,7 +194,7 @@ class StreamingSteps:
         if on_device or trainer.health.allow_update(trainer.step, stage, params, group=self.stage_group):
             if synchronous:
                 norm = stage_norms[stage]
-                torch.nn.utils.clip_grads_with_norm_(params, trainer.config.training.max_norm, global_norm, foreach=True)
+                torch.nn.utils.clip_grads_with_norm_(params, trainer.config.training.max_norm, global_norm, foreach=False)
             elif self.lagged_clipping:
                 norm = self.lagged_clipping.clip(params, policy.step_of_update(policy.updates), ep_enabled)
             else:
