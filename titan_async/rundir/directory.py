@@ -15,8 +15,8 @@ STOPPED_FILE = "stopped.json"
 LAUNCH_FILE = "launch.json"
 CHECKPOINT_DIR = "checkpoint"
 OVERWRITTEN_DIR = "overwritten"
-RUN_FILES = (CONFIG_FILE, LAUNCH_FILE, CHECKPOINT_DIR, "tb", "logs", "metrics.jsonl", STOPPED_FILE, "comm_traces",
-             "pipeline", "optimizer_groups.txt", "report", "compare", "benchmarks")
+RUN_FILES = (CONFIG_FILE, LAUNCH_FILE, CHECKPOINT_DIR, "tb", "logs", "metrics.jsonl", "metrics.jsonl.truncated", STOPPED_FILE,
+             "comm_traces", "pipeline", "optimizer_groups.txt", "report", "compare", "benchmarks")
 """What a run writes into its directory, its lock aside: what `train --overwrite` moves away."""
 
 
