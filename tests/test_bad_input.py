@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
 import shutil
 import subprocess
 import sys
@@ -9,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS, cli_in_process, run_cli, sets
+from conftest import CONFIGS, REPO, cli_in_process, fresh_environment, run_cli, sets
+from test_compare import write_run
 from titan_async import cli
 
 
@@ -197,6 +200,13 @@ def test_run_dir_naming_a_file(capsys, tmp_path, command):
     assert path.read_text() == "mine"
 
 
+def test_run_dir_under_a_file_is_refused_before_anything_is_made(capsys, tmp_path):
+    notes = write(tmp_path / "notes.txt", "mine")
+    err = fail(capsys, "train", "--run-dir", str(notes / "run"))
+    assert err == f"titan-async: --run-dir {notes / 'run'}: {notes} is a file, not a directory"
+    assert notes.read_text() == "mine" and sorted(tmp_path.iterdir()) == [notes]
+
+
 def test_config_naming_a_directory(capsys, tmp_path):
     err = fail(capsys, "config", "show", "--config", str(tmp_path))
     assert err == f"titan-async: --config {tmp_path}: is a directory; give a TOML file or the name of a shipped config"
@@ -216,6 +226,21 @@ def test_help_version_and_argument_errors_import_no_torch(args):
              "print('torch' in sys.modules, file=sys.stderr)")
     result = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60)
     assert result.stderr.strip().splitlines()[-1] == "False", result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["plan", "--gpu-memory", "80XB"], "--gpu-memory '80XB': expected a positive size with a unit"),
+    (["plan", "--nodes", "0"], "--nodes 0: must be at least 1"),
+    (["plan", "--gantt", "g.png"], "--gantt: applies only with --simulate"),
+    (["plan", "--advice-png", "a.png"], "--advice-png: applies only with --gpu-counts"),
+    (["train", "--run-dir", "README.md/run"], "--run-dir README.md/run: README.md is a file, not a directory"),
+])
+def test_errors_of_the_arguments_alone_answer_before_torch_is_imported(args, message):
+    probe = ("import sys\nfrom titan_async import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit as e:\n"
+             "    print(e.code, file=sys.stderr)\nprint('torch' in sys.modules, file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60, cwd=REPO)
+    error, status, torch_imported = result.stderr.splitlines()
+    assert error.startswith(f"titan-async: {message}") and status == "2" and torch_imported == "False", result.stderr
 
 
 def _resumable_fake_run(folder: Path, *assignments: str) -> Path:

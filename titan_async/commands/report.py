@@ -175,9 +175,10 @@ def write_report(directory: Path, out: Path | None = None) -> Path:
     its PNGs into the same folder, and return the HTML path.
 
     Raises UserError if `directory` is not a run directory, has logged no training step,
-    or `out` is a directory.
+    or `out` is a directory or cannot be written.
     """
     record = read_run(directory)
-    out = page_path(out or directory / "report" / "report.html")
-    runs.write_atomic(out, render_html(record, draw_plots(record, out.parent)))
+    with runs.writing(*(("--out", out) if out else ("--run-dir", directory))):
+        out = page_path(out or directory / "report" / "report.html")
+        runs.write_atomic(out, render_html(record, draw_plots(record, out.parent)))
     return out

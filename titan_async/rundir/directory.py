@@ -6,6 +6,8 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from titan_async.core.errors import UserError
@@ -25,6 +27,28 @@ def new_run_dir(config_name: str, job_id: str | None = None, root: Path = Path("
     return root / f"{config_name}-{job_id or time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def check_creatable(directory: Path, argument: str = "--run-dir") -> None:
+    """UserError naming `argument` when `directory` cannot be a directory: it, or a folder above
+    it, is a file."""
+    for folder in (directory, *directory.parents):
+        if folder.is_dir():
+            return
+        if folder.exists():
+            raise UserError(f"{argument} {directory}: "
+                            f"{'is a file; give a directory' if folder == directory else f'{folder} is a file, not a directory'}")
+
+
+@contextmanager
+def writing(argument: str, path: Path) -> Iterator[None]:
+    """The block writes into `path`, which `argument` names: an OSError of the file system there
+    (no permission, a file where a folder should be, a read-only or full file system) ends in
+    one line naming `argument`, the file and the cause, instead of a traceback."""
+    try:
+        yield
+    except OSError as err:
+        raise UserError(f"{argument} {path}: cannot write there ({err.filename or path}: {err.strerror or err})") from None
+
+
 def unreadable_checkpoint(checkpoint: Path, err: BaseException) -> UserError:
     """The one-line error for a checkpoint whose files DCP cannot read."""
     reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
@@ -42,8 +66,9 @@ def save_launch(run_dir: Path, config_toml: str, nproc_per_node: int) -> None:
     W&B runs) is made on the first launch and kept by later ones (`resume`)."""
     launch = run_dir / LAUNCH_FILE
     run_id = json.loads(launch.read_text()).get("run_id") if launch.is_file() else None
-    write_atomic(run_dir / CONFIG_FILE, config_toml)
-    write_atomic(launch, json.dumps({"nproc_per_node": nproc_per_node, "run_id": run_id or uuid.uuid4().hex[:16]}))
+    with writing("--run-dir", run_dir):
+        write_atomic(run_dir / CONFIG_FILE, config_toml)
+        write_atomic(launch, json.dumps({"nproc_per_node": nproc_per_node, "run_id": run_id or uuid.uuid4().hex[:16]}))
 
 
 def record_world_size(run_dir: Path, world_size: int) -> None:
@@ -69,7 +94,8 @@ def load_launch(run_dir: Path, argument: str = "--run-dir") -> dict:
 
 
 def clear_stop(run_dir: Path) -> None:
-    (run_dir / STOPPED_FILE).unlink(missing_ok=True)
+    with writing("--run-dir", run_dir):
+        (run_dir / STOPPED_FILE).unlink(missing_ok=True)
 
 
 def early_stop(run_dir: Path) -> dict | None:
