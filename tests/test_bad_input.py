@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS, REPO, cli_in_process, fresh_environment, run_cli, sets
+from conftest import CONFIGS, REPO, TINY, cli_in_process, fresh_environment, run_cli, sets
 from test_compare import write_run
 from titan_async import cli
 
@@ -257,6 +257,53 @@ def _resumable_fake_run(folder: Path, *assignments: str) -> Path:
     dcp.save({"w": torch.ones(1)}, checkpoint_id=str(folder / "checkpoint" / "step-1"), no_dist=True)
     checksums.record(folder / "checkpoint" / "step-1", rank=0)
     return folder
+
+
+PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 24, 1, 2
+
+
+def _bound_by_permissions() -> None:
+    """preexec_fn: root passes file permissions by CAP_DAC_OVERRIDE (and CAP_DAC_READ_SEARCH);
+    with both out of its bounding set, the program it execs is refused a chmod -w directory as
+    any user is. A user's process holds neither."""
+    if os.geteuid() != 0:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH):
+        if libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0):
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+@pytest.mark.parametrize("case", ["report", "report --out", "compare", "resume", "resume with a lock file"])
+def test_a_directory_the_user_cannot_write_is_one_line(tmp_path, case):
+    """The command's first write into a chmod -w directory, run as a user would (`_bound_by_permissions`):
+    report's RUN/report, or --out's folder; compare's BASELINE/compare; resume's lock file, or where
+    the lock file is there (and writable) the resolved config it saves."""
+    if case.startswith("resume"):
+        run = _resumable_fake_run(tmp_path / "run", *TINY)
+        if case == "resume with a lock file":
+            write(run / "run.lock", "")
+        args, unwritable, named = ["resume", "--run-dir", str(run)], run, f"--run-dir {run}"
+        written = run / ("run.lock" if case == "resume" else "config.toml.tmp")
+    elif case == "report --out":
+        run, unwritable = write_run(tmp_path / "run", {1: 4.5, 10: 3.6}, 1.0), tmp_path / "pages"
+        unwritable.mkdir()
+        out = unwritable / "run" / "page.html"
+        args, written, named = ["report", "--run-dir", str(run), "--out", str(out)], out.parent, f"--out {out}"
+    else:
+        run = unwritable = write_run(tmp_path / "run", {1: 4.5, 10: 3.6}, 1.0)
+        args = ["compare", str(run)] if case == "compare" else ["report", "--run-dir", str(run)]
+        written, named = run / case, f"{'RUN_DIR' if case == 'compare' else '--run-dir'} {run}"
+    before = sorted(unwritable.rglob("*"))
+    unwritable.chmod(0o555)
+    try:
+        result = subprocess.run([sys.executable, "-m", "titan_async.cli", *args], capture_output=True, text=True, timeout=300,
+                                cwd=REPO, env=fresh_environment(), preexec_fn=_bound_by_permissions)
+    finally:
+        unwritable.chmod(0o755)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == f"titan-async: {named}: cannot write there ({written}: Permission denied)\n"
+    assert sorted(unwritable.rglob("*")) == before
 
 
 def test_resume_names_the_switched_optimizer_not_what_it_leaves_behind(capsys, tmp_path):
