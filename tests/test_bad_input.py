@@ -243,6 +243,18 @@ def test_errors_of_the_arguments_alone_answer_before_torch_is_imported(args, mes
     assert error.startswith(f"titan-async: {message}") and status == "2" and torch_imported == "False", result.stderr
 
 
+def test_workers_that_fail_otherwise_are_summed_up_in_one_line(tmp_path):
+    """In place of torch elastic's block of failure records: the status or signal of each failed worker."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from titan_async.run.launch import failed_workers
+
+    failures = {3: ProcessFailure(local_rank=1, pid=11, exitcode=-9, error_file=""),
+                0: ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file="")}
+    assert failed_workers(failures, tmp_path / "run") == (f"the run failed: rank 0 exited with status 1; rank 3 was killed by "
+                                                          f"SIGKILL (its error is above; each rank's log is in {tmp_path / 'run' / 'logs'})")
+
+
 def _resumable_fake_run(folder: Path, *assignments: str) -> Path:
     """A run directory of debug_cpu with `assignments`, holding one (tiny, intact) checkpoint."""
     import torch

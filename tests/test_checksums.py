@@ -62,6 +62,9 @@ def test_a_damaged_file_is_refused_in_one_line_naming_it(saved, tmp_path):
     assert result.returncode == 2 and said == [
         f"titan-async: checkpoint {checkpoint}: __1_0.distcp does not match its checksum (damaged in place); nothing was "
         f"deleted: move step-2 out of {checkpoint.parent} to resume from an earlier checkpoint"], result.stderr[-3000:]
+    # every worker failed with it: the launcher adds nothing, nor do torch elastic's agent and the workers it stops
+    assert result.stderr.splitlines()[-1] == said[0] and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert not [line for line in result.stderr.splitlines() if "torch/distributed/" in line or "torch/multiprocessing/" in line]
     assert data_files(checkpoint) == before
 
 
