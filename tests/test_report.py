@@ -163,3 +163,21 @@ def test_report_names_the_logging_steps_without_a_row(tmp_path, capsys):
     page = (run_dir / "report" / "report.html").read_text()
     assert "<td>rows missing</td><td>5 of 6 steps logged (1 missing: 6)</td>" in page
     assert "rows cut short" not in page
+
+
+@pytest.mark.parametrize("tail, kept, set_aside", [
+    (b'{"step": 3}', b'{"step": 3}\n', None),  # cut just before its newline: the row is whole, it gets the newline
+    (b'{"step": 3, "lo', b"", b'{"step": 3, "lo\n'),
+    (b"\x00\x00\x00\n", b"", b"\x00\x00\x00\n"),  # a block of zeros a crash left, newline and all
+    (b"", b"", None),
+])
+def test_only_a_last_line_that_is_no_row_is_set_aside_and_fragments_accumulate(tmp_path, tail, kept, set_aside):
+    from titan_async.rundir.jsonl import set_aside_cut_line
+
+    path, aside = tmp_path / "metrics.jsonl", tmp_path / "metrics.jsonl.truncated"
+    whole = b"".join(json.dumps({"step": step}).encode() + b"\n" for step in (1, 2))
+    aside.write_bytes(b"an earlier fragment\n")
+    path.write_bytes(whole + tail)
+    assert set_aside_cut_line(path) == (tail if set_aside else None)
+    assert path.read_bytes() == whole + kept
+    assert aside.read_bytes() == b"an earlier fragment\n" + (set_aside or b"")
