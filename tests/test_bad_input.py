@@ -251,8 +251,8 @@ def test_workers_that_fail_otherwise_are_summed_up_in_one_line(tmp_path):
 
     failures = {3: ProcessFailure(local_rank=1, pid=11, exitcode=-9, error_file=""),
                 0: ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file="")}
-    assert failed_workers(failures, tmp_path / "run") == (f"the run failed: rank 0 exited with status 1; rank 3 was killed by "
-                                                          f"SIGKILL (its error is above; each rank's log is in {tmp_path / 'run' / 'logs'})")
+    assert failed_workers(failures, tmp_path / "run") == ("the run failed: rank 0 exited with status 1; rank 3 was killed by SIGKILL "
+                                                          f"(the workers' errors are above; each rank's log is in {tmp_path / 'run' / 'logs'})")
 
 
 def _resumable_fake_run(folder: Path, *assignments: str) -> Path:

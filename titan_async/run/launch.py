@@ -124,10 +124,8 @@ after one failed, and each failure's exit code with the traceback of the agent's
 def quiet_agent_logs() -> None:
     """Keep `AGENT_LOGGERS` (and the loggers below them, which set their own levels) off the console.
     Called in the agent process: the workers it forks log through none of them."""
-    for name, logger in list(logging.Logger.manager.loggerDict.items()):
-        if isinstance(logger, logging.Logger) and any(name == n or name.startswith(f"{n}.") for n in AGENT_LOGGERS):
-            logger.setLevel(logging.CRITICAL)
-    for name in AGENT_LOGGERS:
+    below = [name for name in logging.Logger.manager.loggerDict if name.startswith(tuple(f"{n}." for n in AGENT_LOGGERS))]
+    for name in {*AGENT_LOGGERS, *below}:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
@@ -137,7 +135,7 @@ def failed_workers(failures: dict, run_dir: Path) -> str:
     said = "; ".join(f"rank {rank} " + (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
                                         else f"exited with status {failure.exitcode}")
                      for rank, failure in sorted(failures.items()))
-    return f"the run failed: {said} (its error is above; each rank's log is in {run_dir / 'logs'})"
+    return f"the run failed: {said} (the workers' errors are above; each rank's log is in {run_dir / 'logs'})"
 
 
 def start_method() -> str:
