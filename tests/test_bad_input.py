@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
 import shutil
 import subprocess
 import sys
@@ -9,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS, cli_in_process, run_cli, sets
+from conftest import CONFIGS, REPO, TINY, cli_in_process, fresh_environment, run_cli, sets
+from test_compare import write_run
 from titan_async import cli
 
 
@@ -198,6 +201,13 @@ def test_run_dir_naming_a_file(capsys, tmp_path, command):
     assert path.read_text() == "mine"
 
 
+def test_run_dir_under_a_file_is_refused_before_anything_is_made(capsys, tmp_path):
+    notes = write(tmp_path / "notes.txt", "mine")
+    err = fail(capsys, "train", "--run-dir", str(notes / "run"))
+    assert err == f"titan-async: --run-dir {notes / 'run'}: {notes} is a file, not a directory"
+    assert notes.read_text() == "mine" and sorted(tmp_path.iterdir()) == [notes]
+
+
 def test_config_naming_a_directory(capsys, tmp_path):
     err = fail(capsys, "config", "show", "--config", str(tmp_path))
     assert err == f"titan-async: --config {tmp_path}: is a directory; give a TOML file or the name of a shipped config"
@@ -219,6 +229,33 @@ def test_help_version_and_argument_errors_import_no_torch(args):
     assert result.stderr.strip().splitlines()[-1] == "False", result.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (["plan", "--gpu-memory", "80XB"], "--gpu-memory '80XB': expected a positive size with a unit"),
+    (["plan", "--nodes", "0"], "--nodes 0: must be at least 1"),
+    (["plan", "--gantt", "g.png"], "--gantt: applies only with --simulate"),
+    (["plan", "--advice-png", "a.png"], "--advice-png: applies only with --gpu-counts"),
+    (["train", "--run-dir", "README.md/run"], "--run-dir README.md/run: README.md is a file, not a directory"),
+])
+def test_errors_of_the_arguments_alone_answer_before_torch_is_imported(args, message):
+    probe = ("import sys\nfrom titan_async import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit as e:\n"
+             "    print(e.code, file=sys.stderr)\nprint('torch' in sys.modules, file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60, cwd=REPO)
+    error, status, torch_imported = result.stderr.splitlines()
+    assert error.startswith(f"titan-async: {message}") and status == "2" and torch_imported == "False", result.stderr
+
+
+def test_workers_that_fail_otherwise_are_summed_up_in_one_line(tmp_path):
+    """In place of torch elastic's block of failure records: the status or signal of each failed worker."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from titan_async.run.launch import failed_workers
+
+    failures = {3: ProcessFailure(local_rank=1, pid=11, exitcode=-9, error_file=""),
+                0: ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file="")}
+    assert failed_workers(failures, tmp_path / "run") == ("the run failed: rank 0 exited with status 1; rank 3 was killed by SIGKILL "
+                                                          f"(the workers' errors are above; each rank's log is in {tmp_path / 'run' / 'logs'})")
+
+
 def _resumable_fake_run(folder: Path, *assignments: str) -> Path:
     """A run directory of debug_cpu with `assignments`, holding one (tiny, intact) checkpoint."""
     import torch
@@ -233,6 +270,53 @@ def _resumable_fake_run(folder: Path, *assignments: str) -> Path:
     dcp.save({"w": torch.ones(1)}, checkpoint_id=str(folder / "checkpoint" / "step-1"), no_dist=True)
     checksums.record(folder / "checkpoint" / "step-1", rank=0)
     return folder
+
+
+PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 24, 1, 2
+
+
+def _bound_by_permissions() -> None:
+    """preexec_fn: root passes file permissions by CAP_DAC_OVERRIDE (and CAP_DAC_READ_SEARCH);
+    with both out of its bounding set, the program it execs is refused a chmod -w directory as
+    any user is. A user's process holds neither."""
+    if os.geteuid() != 0:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH):
+        if libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0):
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+@pytest.mark.parametrize("case", ["report", "report --out", "compare", "resume", "resume with a lock file"])
+def test_a_directory_the_user_cannot_write_is_one_line(tmp_path, case):
+    """The command's first write into a chmod -w directory, run as a user would (`_bound_by_permissions`):
+    report's RUN/report, or --out's folder; compare's BASELINE/compare; resume's lock file, or where
+    the lock file is there (and writable) the resolved config it saves."""
+    if case.startswith("resume"):
+        run = _resumable_fake_run(tmp_path / "run", *TINY)
+        if case == "resume with a lock file":
+            write(run / "run.lock", "")
+        args, unwritable, named = ["resume", "--run-dir", str(run)], run, f"--run-dir {run}"
+        written = run / ("run.lock" if case == "resume" else "config.toml.tmp")
+    elif case == "report --out":
+        run, unwritable = write_run(tmp_path / "run", {1: 4.5, 10: 3.6}, 1.0), tmp_path / "pages"
+        unwritable.mkdir()
+        out = unwritable / "run" / "page.html"
+        args, written, named = ["report", "--run-dir", str(run), "--out", str(out)], out.parent, f"--out {out}"
+    else:
+        run = unwritable = write_run(tmp_path / "run", {1: 4.5, 10: 3.6}, 1.0)
+        args = ["compare", str(run)] if case == "compare" else ["report", "--run-dir", str(run)]
+        written, named = run / case, f"{'RUN_DIR' if case == 'compare' else '--run-dir'} {run}"
+    before = sorted(unwritable.rglob("*"))
+    unwritable.chmod(0o555)
+    try:
+        result = subprocess.run([sys.executable, "-m", "titan_async.cli", *args], capture_output=True, text=True, timeout=300,
+                                cwd=REPO, env=fresh_environment(), preexec_fn=_bound_by_permissions)
+    finally:
+        unwritable.chmod(0o755)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == f"titan-async: {named}: cannot write there ({written}: Permission denied)\n"
+    assert sorted(unwritable.rglob("*")) == before
 
 
 def test_resume_names_the_switched_optimizer_not_what_it_leaves_behind(capsys, tmp_path):

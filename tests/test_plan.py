@@ -25,8 +25,8 @@ from titan_async.commands.plan.memory import (
     fsdp_traffic_bytes,
     held_microbatches,
     muon_step_bytes,
-    parse_size,
 )
+from titan_async.commands.plan.cluster import parse_size
 from titan_async.optim.error_feedback import ErrorFeedback
 from titan_async.optim.muon import Muon
 from titan_async.optim.routing import route_parameters

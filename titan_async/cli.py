@@ -347,19 +347,37 @@ def _gpu_counts(text: str) -> list[int]:
     return counts
 
 
-def _plan(args) -> int:
-    from titan_async.commands.plan.command import run_plan
-    from titan_async.commands.plan.estimate import Cluster
-    from titan_async.config.run_config import load_run_config
+def _check_plan_arguments(args) -> None:
+    """plan's arguments that need no config: the flags that apply only with others, and the
+    cluster (parsed into `args.cluster`)."""
+    from titan_async.commands.plan.cluster import Cluster
 
-    cluster = Cluster.parse(args.nodes, args.gpus_per_node, args.gpu_memory)
-    simulation = None
+    args.cluster = Cluster.parse(args.nodes, args.gpus_per_node, args.gpu_memory)
     for flag, value in (("--costs-from", args.costs_from), ("--gantt", args.gantt), ("--balance", args.balance or None),
                         ("--gpu-counts", args.gpu_counts)):
         if value is not None and not args.simulate:
             raise UserError(f"{flag}: applies only with --simulate")
     if args.advice_png is not None and args.gpu_counts is None:
         raise UserError("--advice-png: applies only with --gpu-counts")
+
+
+def _check_train_arguments(args) -> None:
+    """--run-dir must be able to become a directory (no file in its place or above it)."""
+    from titan_async.rundir.directory import check_creatable
+
+    if args.run_dir is not None:
+        check_creatable(args.run_dir)
+
+
+ARGUMENT_CHECKS = {"plan": _check_plan_arguments, "train": _check_train_arguments}
+"""Per command, the checks of its arguments alone: they run before torch is imported."""
+
+
+def _plan(args) -> int:
+    from titan_async.commands.plan.command import run_plan
+    from titan_async.config.run_config import load_run_config
+
+    simulation = None
     if args.simulate:
         from titan_async.commands.plan.simulate import SimulationOptions
 
@@ -369,8 +387,8 @@ def _plan(args) -> int:
     if args.gpu_counts is not None:
         from titan_async.commands.plan.command import run_advice
 
-        return run_advice(run, cluster, simulation, args.gpu_counts, args.json, args.advice_png)
-    return run_plan(run, cluster, args.strict, args.json, simulation, args.balance)
+        return run_advice(run, args.cluster, simulation, args.gpu_counts, args.json, args.advice_png)
+    return run_plan(run, args.cluster, args.strict, args.json, simulation, args.balance)
 
 
 def _config_show(args) -> int:
@@ -390,15 +408,16 @@ def _config_show(args) -> int:
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.ERROR)
-    # torch comes in here, once the arguments are known to be good: --help, --version and their errors stay fast.
-    from titan_async.core import platform
-    from titan_async.run.worker import quiet_library_noise
-
-    quiet_library_noise()
-    platform.configure()
     handlers = {"train": _train, "resume": _resume, "eval": _eval, "export": _export, "config": _config_show,
                 "report": _report, "compare": _compare, "plan": _plan}
     try:
+        ARGUMENT_CHECKS.get(args.command, lambda args: None)(args)
+        # torch comes in here, once the arguments are known to be good: --help, --version and their errors stay fast.
+        from titan_async.core import platform
+        from titan_async.run.worker import quiet_library_noise
+
+        quiet_library_noise()
+        platform.configure()
         sys.exit(handlers[args.command](args))
     except UserError as err:
         print(f"titan-async: {err}", file=sys.stderr)

@@ -241,8 +241,9 @@ def run_compare(directories: list[Path], baseline: Path | None, target: str | No
         return 0
     for warning in results["warnings"]:
         print(f"titan-async: warning: {warning}", file=sys.stderr)
-    out = pages.page_path(out or runs[0].record.directory / "compare" / "compare.html")
-    run_dir.write_atomic(out, render_html(results, draw_plots(runs, results["target"], out.parent)))
+    with run_dir.writing(*(("--out", out) if out else ("--baseline" if baseline else "RUN_DIR", runs[0].record.directory))):
+        out = pages.page_path(out or runs[0].record.directory / "compare" / "compare.html")
+        run_dir.write_atomic(out, render_html(results, draw_plots(runs, results["target"], out.parent)))
     print(f"target validation loss {results['target']:.4f}")
     print_rows(table_rows(results))
     if benchmarks := benchmark_rows(results):

@@ -13,11 +13,14 @@ from titan_async.rundir import directory as runs
 from titan_async.rundir.benchmarks import HEADER, read_results, table_rows
 from titan_async.pipeline.config import sync_start_text
 from titan_async.rundir.record import (
-    BUBBLE, MEMORY, STALENESS, STALENESS_MAX, THROUGHPUT, TRAIN_LOSS, VALIDATION_LOSS, RunRecord, read_run, series, stage_series,
+    BUBBLE, MEMORY, STALENESS, STALENESS_MAX, THROUGHPUT, TRAIN_LOSS, VALIDATION_LOSS, RunRecord, read_run, series,
+    set_aside_fragments, stage_series, unlogged_steps,
 )
 
 GROUP_TABLE = "optimizer_groups.txt"
 TIMELINE = Path("pipeline") / "timeline.png"
+MISSING_SHOWN = 10
+"""The most steps without a row that the summary names."""
 
 
 def draw_plots(record: RunRecord, folder: Path) -> list[tuple[str, str, Path]]:
@@ -78,6 +81,7 @@ def summary(record: RunRecord) -> list[tuple[str, str]]:
     rows = [
         ("run directory", str(record.directory)),
         ("steps logged", f"{last} of {configured}"),
+        *_record_gaps(record),
         ("processes", str(world)),
         ("schedule", schedule_summary(record.config)),
         ("first training loss", f"{train_losses[0]:.4f}"),
@@ -102,6 +106,20 @@ def summary(record: RunRecord) -> list[tuple[str, str]]:
     if stop is not None:
         cause = {"signal": "a signal", "nonfinite": "non-finite losses or gradients"}.get(stop["reason"], stop["reason"])
         rows.append(("stopped early", f"at step {stop['step']} by {cause}, with a checkpoint"))
+    return rows
+
+
+def _record_gaps(record: RunRecord) -> list[tuple[str, str]]:
+    """Rows on what metrics.jsonl lacks: the logging steps without a row, and the rows cut short
+    by a killed run that were set aside."""
+    rows = []
+    expected, missing = unlogged_steps(record)
+    if missing:
+        shown = ", ".join(map(str, missing[:MISSING_SHOWN])) + (", ..." if len(missing) > MISSING_SHOWN else "")
+        rows.append(("rows missing", f"{expected - len(missing)} of {expected} steps logged ({len(missing)} missing: {shown})"))
+    fragments = set_aside_fragments(record)
+    if fragments:
+        rows.append(("rows cut short", f"{fragments[1]} set aside in {fragments[0]} (a run killed while writing)"))
     return rows
 
 
@@ -157,9 +175,10 @@ def write_report(directory: Path, out: Path | None = None) -> Path:
     its PNGs into the same folder, and return the HTML path.
 
     Raises UserError if `directory` is not a run directory, has logged no training step,
-    or `out` is a directory.
+    or `out` is a directory or cannot be written.
     """
     record = read_run(directory)
-    out = page_path(out or directory / "report" / "report.html")
-    runs.write_atomic(out, render_html(record, draw_plots(record, out.parent)))
+    with runs.writing(*(("--out", out) if out else ("--run-dir", directory))):
+        out = page_path(out or directory / "report" / "report.html")
+        runs.write_atomic(out, render_html(record, draw_plots(record, out.parent)))
     return out

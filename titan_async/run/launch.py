@@ -3,6 +3,7 @@ or as one worker of a job that torchrun or Slurm already started."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -55,7 +56,9 @@ class ForkedAgent:
     which asks the workers to stop (`GracefulStop`); torch's agent would meet it with a
     traceback and a 30 s kill. The parent has run no parallel CPU kernel before the fork, so
     the workers' thread pools start fresh. Exit status: 0; 2 when the workers that failed all
-    exited 2 (a UserError, said in one line); 1 when a worker failed otherwise (torchrun's).
+    exited 2 (a UserError, said in one line); 1 when a worker failed otherwise (torchrun's), with
+    one line naming the failed workers after their own errors. torch's own log lines about the
+    workers (`AGENT_LOGGERS`) reach the console only with --verbose.
     """
 
     def __init__(self, run_dir: Path, nproc_per_node: int, verbose: bool, max_restarts: int) -> None:
@@ -90,6 +93,9 @@ def _agent(run_dir: Path, nproc_per_node: int, verbose: bool, max_restarts: int)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    if not verbose:
+        quiet_agent_logs()
+
     args = torchrun.parse_args([  # the module named last is torchrun's required argument; the entrypoint below runs
         "--standalone", f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}",
         f"--start-method={start_method()}", "-m", "titan_async.run.worker",
@@ -105,9 +111,31 @@ def _agent(run_dir: Path, nproc_per_node: int, verbose: bool, max_restarts: int)
     except ChildFailedError as failure:
         if all(process.exitcode == 2 for process in failure.failures.values()):
             return 2  # UserErrors: each failed worker has said why in one line
-        print(failure.format_msg(), file=sys.stderr)
+        say(failed_workers(failure.failures, run_dir))
         return 1
     return 0
+
+
+AGENT_LOGGERS = ("torch.distributed.run", "torch.distributed.launcher", "torch.distributed.elastic", "torch.multiprocessing")
+"""The loggers of torch's elastic agent: torchrun's OMP_NUM_THREADS notice, the workers it stops
+after one failed, and each failure's exit code with the traceback of the agent's own wait."""
+
+
+def quiet_agent_logs() -> None:
+    """Keep `AGENT_LOGGERS` (and the loggers below them, which set their own levels) off the console.
+    Called in the agent process: the workers it forks log through none of them."""
+    below = [name for name in logging.Logger.manager.loggerDict if name.startswith(tuple(f"{n}." for n in AGENT_LOGGERS))]
+    for name in {*AGENT_LOGGERS, *below}:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def failed_workers(failures: dict, run_dir: Path) -> str:
+    """One line on the workers that failed otherwise than with a UserError (torch elastic's
+    ProcessFailure by rank): the status each exited with, or the signal that killed it."""
+    said = "; ".join(f"rank {rank} " + (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
+                                        else f"exited with status {failure.exitcode}")
+                     for rank, failure in sorted(failures.items()))
+    return f"the run failed: {said} (the workers' errors are above; each rank's log is in {run_dir / 'logs'})"
 
 
 def start_method() -> str:

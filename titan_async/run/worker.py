@@ -151,7 +151,10 @@ def run_worker(run_dir: str, verbose: bool) -> None:
     launcher's agent after it imported everything); exits 2 with one line on a UserError (only on
     rank 0 for an AgreedError), 1 with its traceback on stderr on any other error (the agent's
     summary names only the first rank that failed, and a forked worker's traceback would
-    otherwise go to its error file only)."""
+    otherwise go to its error file only); silently with 128 + the signal where the agent stops it
+    before training has taken over SIGTERM (after another worker failed, which says why)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     from titan_async.core.errors import AgreedError, UserError
 
     name_worker()
@@ -162,6 +165,8 @@ def run_worker(run_dir: str, verbose: bool) -> None:
         if not isinstance(err, AgreedError) or os.environ.get("RANK", "0") == "0":
             print(f"titan-async: {err}", file=sys.stderr)
         sys.exit(2)
+    except SignalException as stop:
+        sys.exit(128 + stop.sigval)
     except Exception:
         traceback.print_exc()
         sys.exit(1)

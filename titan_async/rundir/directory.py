@@ -6,6 +6,8 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from titan_async.core.errors import UserError
@@ -20,15 +22,37 @@ DAMAGED_DIR = "damaged_checkpoints"
 """Where checkpoints found damaged in place when loaded are moved (`checkpoints.quarantine`):
 outside CHECKPOINT_DIR, so that no scan for step-N directories there finds them."""
 OVERWRITTEN_DIR = "overwritten"
-RUN_FILES = (CONFIG_FILE, LAUNCH_FILE, CHECKPOINT_DIR, DAMAGED_DIR, "tb", "logs", "metrics.jsonl", STOPPED_FILE,
-             "comm_traces", "pipeline", "optimizer_groups.txt", "report", "compare", "benchmarks", RESUME_STAGED_FILE,
-             RESUME_HISTORY_FILE)
+RUN_FILES = (CONFIG_FILE, LAUNCH_FILE, CHECKPOINT_DIR, DAMAGED_DIR, "tb", "logs", "metrics.jsonl", "metrics.jsonl.truncated",
+             STOPPED_FILE, "comm_traces", "pipeline", "optimizer_groups.txt", "report", "compare", "benchmarks",
+             RESUME_STAGED_FILE, RESUME_HISTORY_FILE)
 """What a run writes into its directory, its lock aside: what `train --overwrite` moves away."""
 
 
 def new_run_dir(config_name: str, job_id: str | None = None, root: Path = Path("runs")) -> Path:
     """A fresh directory name under `root`: <config>-<job id, else timestamp>."""
     return root / f"{config_name}-{job_id or time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def check_creatable(directory: Path, argument: str = "--run-dir") -> None:
+    """UserError naming `argument` when `directory` cannot be a directory: it, or a folder above
+    it, is a file."""
+    for folder in (directory, *directory.parents):
+        if folder.is_dir():
+            return
+        if folder.exists():
+            raise UserError(f"{argument} {directory}: "
+                            f"{'is a file; give a directory' if folder == directory else f'{folder} is a file, not a directory'}")
+
+
+@contextmanager
+def writing(argument: str, path: Path) -> Iterator[None]:
+    """The block writes into `path`, which `argument` names: an OSError of the file system there
+    (no permission, a file where a folder should be, a read-only or full file system) ends in
+    one line naming `argument`, the file and the cause, instead of a traceback."""
+    try:
+        yield
+    except OSError as err:
+        raise UserError(f"{argument} {path}: cannot write there ({err.filename or path}: {err.strerror or err})") from None
 
 
 def unreadable_checkpoint(checkpoint: Path, err: BaseException) -> UserError:
@@ -48,9 +72,10 @@ def save_launch(run_dir: Path, config_toml: str | None, nproc_per_node: int) -> 
     `run_id` (what names its W&B runs) is made on the first launch and kept by later ones (`resume`)."""
     launch = run_dir / LAUNCH_FILE
     run_id = json.loads(launch.read_text()).get("run_id") if launch.is_file() else None
-    if config_toml is not None:
-        write_atomic(run_dir / CONFIG_FILE, config_toml)
-    write_atomic(launch, json.dumps({"nproc_per_node": nproc_per_node, "run_id": run_id or uuid.uuid4().hex[:16]}))
+    with writing("--run-dir", run_dir):
+        if config_toml is not None:
+            write_atomic(run_dir / CONFIG_FILE, config_toml)
+        write_atomic(launch, json.dumps({"nproc_per_node": nproc_per_node, "run_id": run_id or uuid.uuid4().hex[:16]}))
 
 
 def record_world_size(run_dir: Path, world_size: int) -> None:
@@ -76,7 +101,8 @@ def load_launch(run_dir: Path, argument: str = "--run-dir") -> dict:
 
 
 def clear_stop(run_dir: Path) -> None:
-    (run_dir / STOPPED_FILE).unlink(missing_ok=True)
+    with writing("--run-dir", run_dir):
+        (run_dir / STOPPED_FILE).unlink(missing_ok=True)
 
 
 def early_stop(run_dir: Path) -> dict | None:

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from titan_async.core.errors import UserError
+from titan_async.rundir.directory import check_creatable, writing
 
 LOCK_FILE = "run.lock"
 
@@ -20,11 +21,12 @@ LOCK_FILE = "run.lock"
 @contextmanager
 def run_dir_lock(run_dir: Path, argument: str = "--run-dir") -> Iterator[None]:
     """Hold `run_dir`'s lock (creating the directory) for the block; UserError naming `argument`
-    if another run holds it. Child processes do not inherit the lock file."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"{argument} {run_dir}: is a file; give a directory")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    handle = open(run_dir / LOCK_FILE, "a+")
+    if another run holds it, or the directory cannot be made or written. Child processes do not
+    inherit the lock file."""
+    check_creatable(run_dir, argument)
+    with writing(argument, run_dir):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        handle = open(run_dir / LOCK_FILE, "a+")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from titan_async.core.errors import UserError
 from titan_async.rundir import directory as runs
+from titan_async.rundir.jsonl import set_aside_path
 
 TRAIN_LOSS = "loss_metrics/global_avg_loss"
 VALIDATION_LOSS = "validation_metrics/loss"
@@ -72,6 +73,24 @@ def read_run(directory: Path, argument: str = "--run-dir") -> RunRecord:
         validation={row["step"]: row for row in rows if row.get("kind") == "validation"},
         stage_bubbles=bubbles,
     )
+
+
+def unlogged_steps(record: RunRecord) -> tuple[int, list[int]]:
+    """(how many training steps up to the last logged one the run should have logged, which of
+    them have no row): torchtitan logs step 1 and every `metrics.log_freq`-th step. A row is
+    missing where a killed run cut it short, or where a resume changed `metrics.log_freq`."""
+    log_freq = record.config.get("metrics", {}).get("log_freq")
+    if not isinstance(log_freq, int) or log_freq < 1:  # a config.toml not written by titan-async: no claim
+        return len(record.train), []
+    expected = [step for step in range(1, max(record.train) + 1) if step == 1 or step % log_freq == 0]
+    return len(expected), [step for step in expected if step not in record.train]
+
+
+def set_aside_fragments(record: RunRecord) -> tuple[Path, int] | None:
+    """(file, count) of the rows cut short by killed runs that writers set aside from
+    metrics.jsonl (`titan_async.rundir.jsonl`), or None."""
+    path = set_aside_path(record.directory / "metrics.jsonl")
+    return (path, len(path.read_bytes().splitlines())) if path.is_file() else None
 
 
 def series(rows: dict[int, dict], key: str) -> tuple[list[int], list[float]]:

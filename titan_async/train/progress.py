@@ -22,6 +22,7 @@ from torchtitan.components.validate import Validator
 from torchtitan.tools.logging import logger
 
 from titan_async.core import platform
+from titan_async.rundir.jsonl import set_aside_cut_line, set_aside_path
 from titan_async.train.wandb_runs import configure_main_run
 
 LOSS = "loss_metrics/global_avg_loss"
@@ -115,11 +116,15 @@ def _benchmark(metrics: dict[str, Any]) -> bool:
 
 
 class _TeeLogger(BaseLogger):
-    """Forwards scalars to torchtitan's loggers, metrics.jsonl and the display."""
+    """Forwards scalars to torchtitan's loggers, metrics.jsonl and the display. It appends to
+    metrics.jsonl after the last complete row: a row a killed run left cut short is set aside
+    first (`titan_async.rundir.jsonl`)."""
 
     def __init__(self, inner: BaseLogger, path: Path) -> None:
         self.inner = inner
         self.path = path
+        if set_aside_cut_line(path) is not None:
+            logger.warning(f"{path} ended in a row cut short (a killed run): moved it to {set_aside_path(path)}")
         self.display: ProgressDisplay | None = None
 
     def log(self, metrics: dict[str, Any], step: int) -> None:

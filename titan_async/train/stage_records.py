@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from titan_async.rundir.jsonl import set_aside_cut_line
 from titan_async.train.wandb_runs import stage_run
 
 
@@ -30,7 +31,9 @@ class StageRecords:
     def __init__(self, run_dir: Path, stage: int, metrics) -> None:
         folder = run_dir / "pipeline"
         folder.mkdir(parents=True, exist_ok=True)
-        self.file = open(folder / f"stage{stage}.jsonl", "a", buffering=1)
+        path = folder / f"stage{stage}.jsonl"
+        set_aside_cut_line(path)  # a row a killed run left cut short would swallow the next one
+        self.file = open(path, "a", buffering=1)
         tb_folder = run_dir / "tb" / "pipeline" / f"stage{stage}"
         self.tensorboard = None
         if metrics.enable_tensorboard:

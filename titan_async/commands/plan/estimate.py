@@ -23,13 +23,13 @@ from titan_async.commands.plan.memory import (
     fsdp_traffic_bytes,
     held_microbatches,
     microbatch_activation_bytes,
-    parse_size,
     rank_memory,
     stage_input_bytes,
     tp_traffic_bytes,
     window_microbatches,
     windows_per_step,
 )
+from titan_async.commands.plan.cluster import Cluster
 from titan_async.config.assemble import plain_parameters, tokenizer_vocab_size
 from titan_async.config.run_config import RunConfig
 from titan_async.core.errors import UserError
@@ -41,31 +41,6 @@ from titan_async.pipeline.config import accumulation_steps
 from titan_async.pipeline.in_flight import rank_chunks
 from titan_async.pipeline.schedules import SchedulePipeDream2BW, streaming_schedule
 from titan_async.pipeline.split import split_stages
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """The GPUs a plan is made for."""
-
-    nodes: int
-    gpus_per_node: int
-    gpu_memory: int
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-    @classmethod
-    def parse(cls, nodes: int, gpus_per_node: int, gpu_memory: str) -> Cluster:
-        """UserError naming the argument for counts below 1 or an unreadable memory size."""
-        for flag, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node)):
-            if value < 1:
-                raise UserError(f"{flag} {value}: must be at least 1")
-        try:
-            memory = parse_size(gpu_memory)
-        except ValueError as err:
-            raise UserError(f"--gpu-memory {gpu_memory!r}: {err}") from None
-        return cls(nodes, gpus_per_node, memory)
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,6 @@ compares the total with the tensor bytes a CPU run keeps alive at its peak.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -86,20 +85,6 @@ COMPARED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "PipeDream2BW", "PACI"
 """Schedules whose predicted bubble `plan` prints for every config."""
 INTERLEAVED_CHUNKS = 2
 STREAMING_SCHEDULES = {"pipedream2bw", "paci"}
-
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*$")
-
-
-def parse_size(text: str) -> int:
-    """Bytes in a size such as "80GiB", "141GB" or "512MiB"; ValueError otherwise."""
-    match = _SIZE.match(text)
-    unit = match and _UNITS.get(match.group(2).lower())
-    if not unit or float(match.group(1)) <= 0:
-        raise ValueError(f"expected a positive size with a unit ({', '.join(_UNITS)}), e.g. 80GiB")
-    return int(float(match.group(1)) * unit)
-
 
 @dataclass(frozen=True)
 class MuonMatrix:
