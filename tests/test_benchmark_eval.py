@@ -278,3 +278,23 @@ def test_a_training_rank_gpu_is_refused_in_one_line(tmp_path, capsys, monkeypatc
     assert err.endswith("eval.device = 'cuda:1' is a training rank's GPU on this node (its 2 rank(s) use cuda:0..cuda:1); "
                         'a spare GPU is cuda:2..cuda:3, or use "cpu"'), err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_model_larger_than_this_nodes_memory_is_refused_on_the_cpu_before_anything_is_read(tmp_path, capsys):
+    """`eval --tasks --device cpu` of the Llama-3-70B-shaped config (70,553,706,496 parameters, as
+    its header counts them: 263 GiB in float32, 329 GiB with the stated 25% margin) on a node with
+    less available memory: one line naming both, before the checkpoint (here an empty folder) is
+    read and before anything is allocated (the parameters are counted on the meta device)."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoint" / "step-10").mkdir(parents=True)
+    (run_dir / "config.toml").write_text((CONFIGS / "70b_2bw_muon.toml").read_text())
+    need_gib = 70_553_706_496 * 4 * 1.25 / 2**30
+    assert psutil.virtual_memory().available < need_gib * 2**30  # the premise: this node cannot hold it
+    err = fail(capsys, "eval", "--checkpoint", str(run_dir / "checkpoint" / "step-10"), "--tasks", str(write_task(tmp_path / "task")),
+               "--device", "cpu")
+    assert err.startswith(f"titan-async: --checkpoint {run_dir / 'checkpoint' / 'step-10'}: evaluating on the CPU holds the "
+                          f"model's 70,553,706,496 parameters in float32, about {need_gib:.3g} GiB with the evaluation's 25% margin, "
+                          "but this node has "), err
+    assert "GiB of available RAM; evaluate on a GPU (--device cuda:N) or on a node with more memory" in err

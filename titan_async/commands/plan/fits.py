@@ -53,22 +53,36 @@ def ranks_here(nproc: int, external: bool) -> tuple[list[tuple[int, int]], int]:
     return [(int(env.get("RANK", "0")), int(env.get("LOCAL_RANK", "0")))], int(env.get("LOCAL_WORLD_SIZE", "1"))
 
 
+def _override() -> int | None:
+    """The bytes `AVAILABLE_ENV` gives, or None when it is unset."""
+    override = os.environ.get(AVAILABLE_ENV)
+    if override is None:
+        return None
+    try:
+        return round(float(override) * GIB)
+    except ValueError:
+        raise UserError(f"{AVAILABLE_ENV}={override!r}: expected a number of GiB") from None
+
+
+def node_ram() -> tuple[int, str]:
+    """The RAM available on this node (bytes: `AVAILABLE_ENV`, else /proc/meminfo MemAvailable)
+    and, in words, where the number comes from."""
+    override = _override()
+    if override is not None:
+        return override, f"{_gib(override)} GiB by {AVAILABLE_ENV}"
+    total = _available_ram()
+    return total, f"{_gib(total)} GiB of available RAM"
+
+
 def rank_memory(ranks: list[tuple[int, int]], local_world: int, cpu: bool) -> list[RankMemory] | None:
     """What each of `ranks` has (None where it cannot be known without the CUDA runtime)."""
-    override = os.environ.get(AVAILABLE_ENV)
-    if override is not None:
-        try:
-            total = round(float(override) * GIB)
-        except ValueError:
-            raise UserError(f"{AVAILABLE_ENV}={override!r}: expected a number of GiB") from None
-        if cpu:
-            return [RankMemory(r, lr, total // local_world, f"{_gib(total)} GiB by {AVAILABLE_ENV} over {local_world} "
-                               f"local rank{'s' * (local_world != 1)}") for r, lr in ranks]
-        return [RankMemory(r, lr, total, f"{_gib(total)} GiB free on its GPU by {AVAILABLE_ENV}") for r, lr in ranks]
     if cpu:
-        total = _available_ram()
-        return [RankMemory(r, lr, total // local_world, f"{_gib(total)} GiB of available RAM over {local_world} "
-                           f"local rank{'s' * (local_world != 1)}") for r, lr in ranks]
+        total, source = node_ram()
+        return [RankMemory(r, lr, total // local_world, f"{source} over {local_world} local rank{'s' * (local_world != 1)}")
+                for r, lr in ranks]
+    override = _override()
+    if override is not None:
+        return [RankMemory(r, lr, override, f"{_gib(override)} GiB free on its GPU by {AVAILABLE_ENV}") for r, lr in ranks]
     found = []
     for rank, local in ranks:
         free = _gpu_free(local)
