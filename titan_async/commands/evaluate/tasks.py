@@ -27,7 +27,7 @@ from titan_async.commands.evaluate.memory import check_cpu_memory
 from titan_async.core.errors import UserError
 from titan_async.model.hf_conversion import conversion, hf_fast_tokenizer, read_hf_tensors
 from titan_async.rundir.benchmarks import HEADER, result_rows, save_results
-from titan_async.rundir.checkpoints import checked_step
+from titan_async.rundir.checkpoints import named_step
 
 HARNESS = f"lm-eval {version('lm-eval')}"
 EVAL_DTYPE = torch.float32
@@ -74,9 +74,10 @@ def load_tasks(specs: list[str]) -> tuple[TaskManager, list]:
 
 def hf_model(checkpoint: Path) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerFast]:
     """`checkpoint` as a transformers model in `EVAL_DTYPE` and its tokenizer, built in memory from
-    what `export` would write (UserError as `export` gives one)."""
+    what `export` would write (UserError as `export` gives one), each file read once and checked
+    against its recorded checksum as it is read (UserError naming a file that does not match)."""
     hf = conversion(checkpoint, str(EVAL_DTYPE).removeprefix("torch."))
-    state = read_hf_tensors(checkpoint, hf.adapter, hf.entries, list(hf.entries))
+    state = read_hf_tensors(checkpoint, hf.adapter, hf.entries, list(hf.entries), verified=True)
     transformers.utils.logging.disable_progress_bar()
     model_class = getattr(transformers, hf.config["architectures"][0])
     model = model_class.from_pretrained(None, config=model_class.config_class(**hf.config), state_dict=state, dtype=EVAL_DTYPE)
@@ -131,7 +132,7 @@ def evaluate_tasks(checkpoint: Path, tasks: str, *, limit: int | None, num_fewsh
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu":
         check_cpu_memory(checkpoint, EVAL_DTYPE)
-    step = checked_step(checkpoint)
+    step = named_step(checkpoint)  # the model's files are verified as they are read (`hf_model`)
     datasets.disable_progress_bars()  # lm-eval's own bar shows the progress
     manager, built = load_tasks(specs)
     model, tokenizer = hf_model(checkpoint)
