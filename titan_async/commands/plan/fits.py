@@ -1,5 +1,6 @@
 """Will a run fit the memory its ranks have? `train` and `resume` ask before they launch, and a
-worker that an external torchrun started without them asks before it builds its model.
+worker that an external torchrun started without them asks before it builds its model; under an
+external launcher local rank 0 asks for its node's workers.
 
 Each rank's need is `plan`'s peak estimate for its pipeline rank (`estimate.estimate`, from the
 config and a meta-device model: nothing is allocated). What a rank has: on a CPU, the RAM
@@ -46,11 +47,15 @@ class RankMemory:
 
 def ranks_here(nproc: int, external: bool) -> tuple[list[tuple[int, int]], int]:
     """(global rank, local rank) of the ranks this process checks, and the node's rank count:
-    the launcher checks all the workers it starts; a worker of an external launcher itself."""
+    the launcher checks all the workers it starts; under an external launcher local rank 0 checks
+    its node's workers (`run.node_checks`), whose global ranks torchrun (and Slurm's block
+    distribution) makes consecutive."""
     if not external:
         return [(rank, rank) for rank in range(nproc)], nproc
     env = os.environ
-    return [(int(env.get("RANK", "0")), int(env.get("LOCAL_RANK", "0")))], int(env.get("LOCAL_WORLD_SIZE", "1"))
+    local_world = int(env.get("LOCAL_WORLD_SIZE", "1"))
+    first = int(env.get("RANK", "0")) - int(env.get("LOCAL_RANK", "0"))
+    return [(first + local, local) for local in range(local_world)], local_world
 
 
 def _override() -> int | None:
