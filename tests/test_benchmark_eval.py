@@ -7,9 +7,13 @@ multiple-choice YAML on jsonl files, evaluated offline.
 
 from __future__ import annotations
 
+import builtins
+import io
 import json
 import random
+import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -278,3 +282,126 @@ def test_a_training_rank_gpu_is_refused_in_one_line(tmp_path, capsys, monkeypatc
     assert err.endswith("eval.device = 'cuda:1' is a training rank's GPU on this node (its 2 rank(s) use cuda:0..cuda:1); "
                         'a spare GPU is cuda:2..cuda:3, or use "cpu"'), err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_model_larger_than_this_nodes_memory_is_refused_on_the_cpu_before_anything_is_read(tmp_path, capsys):
+    """`eval --tasks --device cpu` of the Llama-3-70B-shaped config (70,553,706,496 parameters, as
+    its header counts them: 263 GiB in float32, 329 GiB with the stated 25% margin) on a node with
+    less available memory: one line naming both, before the checkpoint (here an empty folder) is
+    read and before anything is allocated (the parameters are counted on the meta device)."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoint" / "step-10").mkdir(parents=True)
+    (run_dir / "config.toml").write_text((CONFIGS / "70b_2bw_muon.toml").read_text())
+    need_gib = 70_553_706_496 * 4 * 1.25 / 2**30
+    assert psutil.virtual_memory().available < need_gib * 2**30  # the premise: this node cannot hold it
+    err = fail(capsys, "eval", "--checkpoint", str(run_dir / "checkpoint" / "step-10"), "--tasks", str(write_task(tmp_path / "task")),
+               "--device", "cpu")
+    assert err.startswith(f"titan-async: --checkpoint {run_dir / 'checkpoint' / 'step-10'}: evaluating on the CPU holds the "
+                          f"model's 70,553,706,496 parameters in float32, about {need_gib:.3g} GiB with the evaluation's 25% margin, "
+                          "but this node has "), err
+    assert "GiB of available RAM; evaluate on a GPU (--device cuda:N) or on a node with more memory" in err
+
+
+class CountedFile(io.FileIO):
+    """A file whose bytes read are added up in `READ` under its name."""
+
+    def readinto(self, buffer):
+        read = super().readinto(buffer)
+        READ[Path(self.name).name] = READ.get(Path(self.name).name, 0) + (read or 0)
+        return read
+
+    def readall(self):
+        data = super().readall()
+        READ[Path(self.name).name] = READ.get(Path(self.name).name, 0) + len(data)
+        return data
+
+
+READ: dict[str, int] = {}
+
+
+def count_reads(monkeypatch, folder: Path) -> dict[str, int]:
+    """Count the bytes read from the DCP data files in `folder` (file name -> bytes) by every
+    `open` of Python and pathlib from now on."""
+    opened = io.open
+
+    def counting_open(file, mode="r", *args, **kwargs):
+        path = Path(file) if isinstance(file, (str, Path)) else None
+        if path is not None and path.parent == folder and path.suffix == ".distcp" and mode == "rb":
+            return io.BufferedReader(CountedFile(path))
+        return opened(file, mode, *args, **kwargs)
+
+    READ.clear()
+    monkeypatch.setattr(builtins, "open", counting_open)
+    monkeypatch.setattr(io, "open", counting_open)
+    return READ
+
+
+def model_files(checkpoint: Path) -> set[str]:
+    """The data files that hold the model's entries, by DCP's metadata (the rest: optimizer, schedule, data state)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(str(checkpoint)).read_metadata().storage_data
+    other = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+    return {info.relative_path for index, info in storage.items() if not index.fqn.startswith(other)}
+
+
+def test_the_evaluation_reads_each_model_file_once_checking_it_against_its_checksum(trained, capsys, monkeypatch, tmp_path):
+    """`eval --tasks` verifies the files it loads while it reads them: each data file that holds
+    model entries is read exactly once, whole (its checksum covers it whole), and no other data
+    file at all (counted by wrapping `open`). Before, every file was read whole for its checksum
+    and the load read the model's pieces again. A byte flipped in a copy of the checkpoint is
+    refused in one line naming the file."""
+    _, checkpoint, _, yaml = trained
+    sizes = {path.name: path.stat().st_size for path in checkpoint.glob("*.distcp")}
+    read = count_reads(monkeypatch, checkpoint)
+    status, out, err = cli_in_process(capsys, "eval", "--checkpoint", str(checkpoint), "--tasks", str(yaml), "--limit", "2", "--json")
+    monkeypatch.undo()
+    assert status == 0, err
+    assert json.loads(out)["tasks"][TASK]["samples"] == 2
+    assert read == {name: sizes[name] for name in model_files(checkpoint)}, (read, sizes)
+
+    damaged = shutil.copytree(checkpoint.parent.parent, tmp_path / "run") / "checkpoint" / checkpoint.name
+    data = bytearray((damaged / "__0_0.distcp").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (damaged / "__0_0.distcp").write_bytes(data)
+    err = fail(capsys, "eval", "--checkpoint", str(damaged), "--tasks", str(yaml), "--limit", "2")
+    assert err == f"titan-async: --checkpoint {damaged}: cannot read the checkpoint (__0_0.distcp does not match its checksum (damaged in place))"
+
+
+def evaluation_of(checkpoint: Path, yaml: Path, **options):
+    """`benchmark_process.evaluate` of `checkpoint` (step STEPS, one rank), 2 examples on the CPU."""
+    from titan_async.train.benchmark_process import evaluate
+    from titan_async.train.benchmarks import EvalSection
+
+    section = EvalSection(tasks=[str(yaml)], limit=2, num_fewshot=0, batch_size=1)
+    return evaluate(checkpoint, STEPS, section, "cpu", checkpoint.parent.parent / "logs" / f"eval-step-{STEPS}.log", 1, **options)
+
+
+def test_a_benchmark_waits_for_every_ranks_checksums_and_fails_in_one_line_when_they_do_not_come(trained, tmp_path, caplog):
+    """A benchmark queued right after its save, before the ranks have recorded their checksums
+    (rank 0's manifest is put back only after the evaluation was started), waits for them and
+    evaluates; one whose checksums never come fails after the timeout with one line, logged and
+    recorded as the step's benchmark failure in RUN/benchmarks/step-N.json."""
+    import threading
+
+    run_dir = shutil.copytree(trained[0], tmp_path / "run")
+    checkpoint = run_dir / "checkpoint" / f"step-{STEPS}"
+    manifest = checkpoint / "checksums.rank0.json"
+    recorded = manifest.read_text()
+    manifest.unlink()
+    result = {}
+    started = threading.Thread(target=lambda: result.update(tasks=evaluation_of(checkpoint, trained[3])))
+    started.start()
+    time.sleep(1)
+    manifest.write_text(recorded)
+    started.join()
+    assert result["tasks"][TASK]["samples"] == 2, (run_dir / "logs" / f"eval-step-{STEPS}.log").read_text()[-3000:]
+
+    manifest.unlink()
+    assert evaluation_of(checkpoint, trained[3], timeout_s=0.5) is None
+    line = (f"the benchmark of step {STEPS} failed: rank(s) 0 did not record their checksums of {checkpoint} "
+            "(checksums.rank0.json) within 0.5 s")
+    assert line in caplog.text
+    assert json.loads((run_dir / "benchmarks" / f"step-{STEPS}.json").read_text())["failure"] == line

@@ -26,12 +26,14 @@ import math
 
 from pathlib import Path
 
+import json
+
 import pytest
 import torch
 
 import independent_reference as ref
 import nccl_model
-from conftest import CONFIGS, TINY, checkpoint_weights, metrics, run_cli, sets
+from conftest import CONFIGS, TINY, checkpoint_weights, cli_in_process, metrics, run_cli, sets
 
 STEPS = 6
 SETTINGS = (*TINY, "training.local_batch_size=8", f"training.steps={STEPS}", "checkpoint.interval=3",
@@ -372,8 +374,21 @@ def test_2bw_moe_weight_prediction_on_replicas_equals_the_independent_reference(
     assert_different(differences(run, weights, ref.two_bw(settings, batches, prediction=1.0, bias_counts="next"), update_of_step))
 
 
+def fsdp_gather_bytes(run: Path, rank: int, step: int) -> int:
+    """Bytes FSDP2 all-gathered on `rank` during `step`, read from the run's comm log (FSDP2
+    gathers through `all_gather_single`, which nothing else of the run issues)."""
+    current, gathered = None, 0
+    for line in (run / "comm" / f"rank{rank}.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["op"] == "step":
+            current = record["step"]
+        elif current == step and record["op"] == "coll" and record["kind"] == "all_gather_single":
+            gathered += record["bytes"]
+    return gathered
+
+
 @pytest.mark.parametrize("layout", DATA_RANKS)
-def test_paci_with_data_ranks_equals_the_independent_reference(tmp_path, layout):
+def test_paci_with_data_ranks_equals_the_independent_reference(tmp_path, layout, capsys):
     """PP 2 x FSDP 2 or x 2 DDP replicas, PACI (a = 3 of m = 8 per data rank): a local step
     reduces the stage's gradients over both data ranks, so the reference's microbatch i is both
     data ranks' i-th microbatch side by side (`side_by_side`). With `training.weight_prediction =
@@ -396,6 +411,17 @@ def test_paci_with_data_ranks_equals_the_independent_reference(tmp_path, layout)
     one_rank = ref.read_batches(run / "batches", settings, data_ranks=[0])
     assert_different(differences(run, weights, ref.paci(settings, one_rank, drains, **predicted), update_of_step))
     nccl_model.assert_nccl_safe(run / "comm", stages=2, ranks_per_stage=2)
+
+    # Stage 0 predicts: it gathers twice per forward (the prediction, then the current weights), 16
+    # times in step 2 (steady: past the first local step, before the step-3 checkpoint's drain),
+    # as `plan` counts; 8 / 3 gathers, one per local step, without the prediction's.
+    capsys.readouterr()  # the comparisons' prints
+    code, out, _ = cli_in_process(capsys, "plan", "--config", str(CONFIGS / "debug_cpu_pp2_fsdp2.toml"), "--gpus-per-node", "4",
+                                  *sets(*SETTINGS, "parallelism.pipeline_parallel_schedule=PACI", f"parallelism.paci.accumulation={a}",
+                                        "training.weight_prediction=2", *DATA_RANKS[layout]), "--json")
+    assert code == 0
+    planned = next(row for row in json.loads(out)["communication"] if row["name"] == "PACI")["ranks"][0]["all_gather"]
+    assert fsdp_gather_bytes(run, rank=0, step=2) == planned
 
 
 def test_paci_moe_equals_the_independent_reference(tmp_path):

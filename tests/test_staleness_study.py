@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parent.parent / "tools" / "staleness_study.py"
+REPO = Path(__file__).resolve().parent.parent
+_PATH = REPO / "tools" / "staleness_study.py"
 _SPEC = importlib.util.spec_from_file_location("staleness_study", _PATH)
 study = importlib.util.module_from_spec(_SPEC)
 sys.modules["staleness_study"] = study
@@ -43,7 +44,7 @@ def write_run(runs_dir: Path, arm: Arm, final: float) -> None:
         if step in (1, 10, 20):
             records.append({"step": step, "kind": "validation", "validation_metrics/loss": final + (20 - step) / 100})
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    (run / "config.toml").write_text(f'[optimizer]\nname = "{arm.optimizer}"\n')
+    (run / "config.toml").write_text(f'# resolved from {REPO}/train_configs/debug_cpu.toml\n\n[optimizer]\nname = "{arm.optimizer}"\n')
 
 
 def write_runs(runs_dir: Path, finals: dict) -> Path:
@@ -158,11 +159,23 @@ def test_report_writes_results_and_keeps_the_analysis(tmp_path: Path):
     assert "old table" not in readme and readme.endswith("## Analysis\n\nhand-written text\n")
     assert "-> holds" in readme and "- command: `x`" in readme
     assert {p.name for p in (out / "configs").iterdir()} == {f"{a.name}.toml" for a in {**SEED0, **SEED1}}
+    recorded = (out / "configs" / "muon-delay1-ef.toml").read_text()  # the source named relative to the repository
+    assert recorded == '# resolved from train_configs/debug_cpu.toml\n\n[optimizer]\nname = "muon"\n'
     assert (out / "curves.png").stat().st_size > 0
     with open(out / "curves.csv", newline="") as f:
         assert sum(1 for r in csv.DictReader(f) if r["kind"] == "validation") == 3 * 16
     with open(out / "table.csv", newline="") as f:
         assert next(csv.DictReader(f))["wall_s"] == "12.0"
+
+
+def test_the_recorded_study_configs_name_their_source_relative_to_the_repository():
+    """Every config a study recorded under docs/results names the config it was resolved from by
+    its path in the repository, not on the machine that ran it."""
+    recorded = sorted((REPO / "docs" / "results").glob("*/configs/*.toml"))
+    assert len(recorded) >= 96
+    for path in recorded:
+        source = path.read_text().splitlines()[0].removeprefix("# resolved from ")
+        assert (REPO / source).is_file() and not Path(source).is_absolute(), (path, source)
 
 
 def test_tokens20_regime_trains_20_tokens_per_parameter():

@@ -44,4 +44,7 @@ def test_tta_study_trains_two_arms_and_tabulates_compares_time_to_target(tmp_pat
     assert f"| 1F1B-adamw | {base['time_to_target_s']:.1f} | 1/1 | 1.00x |" in readme
     assert "tools/tta_study.py --schedules 1F1B,PipeDream2BW" in readme and "git revision" in readme and "load average" in readme
     assert sorted(p.name for p in (out / "configs").iterdir()) == ["1F1B-adamw-seed0.toml", "PipeDream2BW-adamw-seed0.toml"]
+    assert (runs / "1F1B-adamw-seed0" / "config.toml").read_text().startswith(f"# resolved from {REPO}/")
+    recorded = (out / "configs" / "1F1B-adamw-seed0.toml").read_text()
+    assert recorded.startswith("# resolved from train_configs/debug_cpu_pp2.toml\n") and str(REPO) not in recorded
     assert len(list(out.glob("*.png"))) == 6

@@ -1,8 +1,10 @@
 """Two torchrun agents ("nodes") with 2 workers each join through c10d rendezvous on loopback
-and train the PP=2 x FSDP=2 debug config, as the Slurm and Kubernetes launchers run it."""
+and train the PP=2 x FSDP=2 debug config, as the Slurm and Kubernetes launchers run it; the
+launcher's checks run once per node, on its local rank 0."""
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import signal
@@ -16,6 +18,7 @@ from conftest import CONFIGS, REPO, TINY, metrics, sets
 
 STEPS = 4
 TIMEOUT_S = 240
+COUNTED_CALLS = REPO / "tests" / "counted_calls"
 
 
 def free_port() -> int:
@@ -24,7 +27,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def agent(port: int, run_dir) -> subprocess.Popen:
+def agent(port: int, run_dir, calls) -> subprocess.Popen:
     """One node's torchrun agent; c10d assigns node ranks in rendezvous order (--node-rank is for static rendezvous)."""
     command = [
         sys.executable, "-m", "torch.distributed.run",
@@ -35,13 +38,18 @@ def agent(port: int, run_dir) -> subprocess.Popen:
         *sets(*TINY, f"training.steps={STEPS}", "training.local_batch_size=2"),
     ]
     env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(COUNTED_CALLS), os.environ.get("PYTHONPATH")])),
+               TITAN_ASYNC_TEST_CALLS=str(calls))
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
 
 def test_two_agents_train_pp2_x_fsdp2_through_c10d_rendezvous(tmp_path):
-    port, run_dir = free_port(), tmp_path / "run"
-    agents = [agent(port, run_dir) for _ in range(2)]
+    """Also: each node's local rank 0 alone makes the launcher's checks, plan's memory estimate
+    (`check_fits`) and the trainer config's, and its other worker goes on with their outcome: every
+    call is counted by tests/counted_calls, and every worker builds its trainer config once to train."""
+    port, run_dir, calls = free_port(), tmp_path / "run", tmp_path / "calls.txt"
+    agents = [agent(port, run_dir, calls) for _ in range(2)]
     try:
         outputs = [a.communicate(timeout=TIMEOUT_S)[0] for a in agents]
     except subprocess.TimeoutExpired:
@@ -58,3 +66,26 @@ def test_two_agents_train_pp2_x_fsdp2_through_c10d_rendezvous(tmp_path):
 
     assert sorted(metrics(run_dir)) == list(range(1, STEPS + 1))
     assert (run_dir / "checkpoint" / f"step-{STEPS}" / ".metadata").is_file()
+
+    counted = collections.Counter(calls.read_text().splitlines())
+    assert counted == {"0 titan_async.commands.plan.fits.check_fits": 1, "2 titan_async.commands.plan.fits.check_fits": 1,
+                       "0 titan_async.config.assemble.trainer_config": 2, "2 titan_async.config.assemble.trainer_config": 2,
+                       "1 titan_async.config.assemble.trainer_config": 1, "3 titan_async.config.assemble.trainer_config": 1}, counted
+
+
+def test_local_rank_0s_failed_check_is_every_workers_one_line(tmp_path):
+    """A check that fails on local rank 0 (the memory estimate, against 1 MiB said to be there)
+    fails the node's other worker with the same line, without its own check (counted)."""
+    calls = tmp_path / "calls.txt"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "titan_async.cli", "train", "--config", str(CONFIGS / "debug_cpu.toml"), "--run-dir", str(tmp_path / "run"),
+               *sets(*TINY, "training.steps=1")]
+    env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(COUNTED_CALLS), os.environ.get("PYTHONPATH")])),
+               TITAN_ASYNC_TEST_CALLS=str(calls), TITAN_ASYNC_MEMORY_AVAILABLE_GIB=str(1 / 1024))
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    said = [line for line in result.stderr.splitlines() if line.startswith("titan-async: ")]
+    assert result.returncode != 0 and len(said) == 2 and said[0] == said[1], result.stderr[-3000:]
+    assert "needs about" in said[0] and "or start anyway with --skip-memory-check" in said[0]
+    assert calls.read_text().splitlines() == ["0 titan_async.config.assemble.trainer_config", "0 titan_async.commands.plan.fits.check_fits"]
+    assert not (tmp_path / "run").exists()

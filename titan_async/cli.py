@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
 from contextlib import nullcontext
@@ -151,6 +152,7 @@ def _config_path(name: str | None) -> Path:
 def _train(args) -> int:
     from titan_async.config.run_config import load_run_config, render_toml
     from titan_async.run import process
+    from titan_async.run.node_checks import once_per_node
     from titan_async.rundir import directory as runs
     from titan_async.rundir.overwrite import claim
 
@@ -158,16 +160,11 @@ def _train(args) -> int:
     path = _config_path(args.config)
     run = load_run_config(path, args.set)
     nproc = args.nproc_per_node or process.local_workers()
-    run.check(process.world_size(nproc))
-    _check_eval_device(run, nproc)
     directory = args.run_dir or runs.new_run_dir(path.stem, process.job_id())
+    once_per_node("the launch checks", lambda: _check_new_run(run, directory, nproc, args.skip_memory_check))
+    os.environ[process.MEMORY_CHECKED_ENV] = "1"  # the node's workers are checked: a worker does not check again
     if process.restart_count():  # torchrun restarted this worker: the run continues from its checkpoint
         return _launch(directory, nproc, args.verbose, run, args.max_restarts)
-    from titan_async.commands.plan.fits import check_launch
-    from titan_async.config.assemble import trainer_config  # after the config checks: it imports the data and trainer stack
-
-    trainer_config(run, directory, process.world_size(nproc))  # every check of the new run, before the directory is touched
-    check_launch(run, nproc, args.skip_memory_check)  # plan's memory estimate against what each rank has
     with _coordinator_lock(directory):
         if process.is_coordinator():
             overwritten = claim(directory, args.overwrite)
@@ -224,6 +221,24 @@ def _check_steps_left(run, checkpoint_step: int, assignments: list[str], run_dir
                         f"expected training.steps > {checkpoint_step}")
     raise UserError(f"--run-dir {run_dir}: the run is complete (its checkpoint is at step {checkpoint_step}, "
                     f"training.steps = {steps}); to train on, resume with --set training.steps=N, N > {checkpoint_step}")
+
+
+def _check_new_run(run, directory: Path, nproc: int, skip_memory_check: bool) -> None:
+    """Every check of `train` before the run directory is touched: the config at the job's world
+    size, the evaluation device, and (not after a restart by torchrun: the run started once) the
+    trainer config and plan's memory estimate against what each rank has. Under torchrun or Slurm
+    local rank 0 of each node makes them for the node (`run.node_checks`)."""
+    from titan_async.run import process
+
+    run.check(process.world_size(nproc))
+    _check_eval_device(run, nproc)
+    if process.restart_count():
+        return
+    from titan_async.commands.plan.fits import check_launch
+    from titan_async.config.assemble import trainer_config  # after the config checks: it imports the data and trainer stack
+
+    trainer_config(run, directory, process.world_size(nproc))
+    check_launch(run, nproc, skip_memory_check)
 
 
 def _check_eval_device(run, nproc: int) -> None:

@@ -52,6 +52,7 @@ from torchtitan.config import TORCH_DTYPE_MAP  # noqa: E402
 from titan_async.commands.plan.estimate import Cluster, make_layout, resolve_vocab_size  # noqa: E402
 from titan_async.config.run_config import load_run_config  # noqa: E402
 from titan_async.experiments.accuracy import relative_difference  # noqa: E402
+from titan_async.experiments.jobs import repository_path  # noqa: E402
 from titan_async.model.llama import ModelSection, build_model_spec  # noqa: E402
 from titan_async.model.meta import build_meta_model  # noqa: E402
 from titan_async.optim.muon_cost import stage_costs  # noqa: E402
@@ -188,7 +189,7 @@ def projection(args: argparse.Namespace) -> None:
         for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))
     }
     tflops = {"bf16": args.ns_tflops, "fp32": args.ns_tflops_float32}
-    print(f"\nMuon step projected for {args.config} on {args.nodes} x {args.gpus_per_node} GPUs "
+    print(f"\nMuon step projected for {repository_path(args.config)} on {args.nodes} x {args.gpus_per_node} GPUs "
           f"(PP {layout.pp}, FSDP {layout.fsdp}), busiest FSDP rank of each stage")
     print(f"assumed: Newton-Schulz at {args.ns_tflops:g} TFLOP/s in bfloat16 (ns_dtype auto on CUDA) and "
           f"{args.ns_tflops_float32:g} in float32 (Gram form where it has fewer FLOPs), training at "
@@ -264,7 +265,7 @@ def newton_schulz(args: argparse.Namespace) -> None:
     load_after = os.getloadavg()[0]
 
     listing = ", ".join(f"{count} x {shape}" for shape, count in Counter(shapes).items())
-    print(f"Newton-Schulz on the Muon blocks of {args.layers} transformer block(s) of {args.config}: {listing}")
+    print(f"Newton-Schulz on the Muon blocks of {args.layers} transformer block(s) of {repository_path(args.config)}: {listing}")
     print(f"{steps} steps, float32, {torch.get_num_threads()} threads; timed on Gaussian inputs, "
           f"{args.reps} reps, order rotated each rep, after 1 warm-up each")
     print(f"{'method':<24} {'min s':>7} {'median s':>9} {'max s':>7} {'speed-up: medians':>18} {'minimums':>9} "

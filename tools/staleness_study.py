@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from titan_async.commands.compare import smooth
-from titan_async.experiments.jobs import ROOT, Job, run_jobs, run_recorded
+from titan_async.experiments.jobs import ROOT, Job, record_config, run_jobs, run_recorded
 from titan_async.rundir.record import TRAIN_LOSS, VALIDATION_LOSS
 
 OPTIMIZERS = ("adamw", "muon")
@@ -609,7 +609,7 @@ def report(arms: list[Arm], runs_dir: Path, out: Path, wall_s: dict[Arm, float],
     out.mkdir(parents=True, exist_ok=True)
     (out / "configs").mkdir(exist_ok=True)
     for arm in curves:
-        shutil.copyfile(runs_dir / arm.name / "config.toml", out / "configs" / f"{arm.name}.toml")
+        record_config(runs_dir / arm.name, out / "configs" / f"{arm.name}.toml")
     write_table_csv(rows, out / "table.csv")
     write_curves_csv(curves, out / "curves.csv")
     plot_curves(curves, out / "curves.png")

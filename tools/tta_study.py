@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import shutil
 import statistics
 import sys
 from pathlib import Path
 
 from titan_async.commands.compare import cell, compare, draw_plots
-from titan_async.experiments.jobs import ROOT, Job, run_recorded
+from titan_async.experiments.jobs import ROOT, Job, record_config, run_recorded
 
 SCHEDULES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "PipeDream2BW", "PACI")
 """Every schedule that can validate (torch's ZBVZeroBubble fails in eval)."""
@@ -100,7 +99,7 @@ def report(args: argparse.Namespace, how: list[str]) -> None:
             plots = draw_plots(runs, per_seed[seed]["target"], args.out)
         for run in runs:
             (args.out / "configs").mkdir(exist_ok=True)
-            shutil.copyfile(run.record.directory / "config.toml", args.out / "configs" / f"{run.label}.toml")
+            record_config(run.record.directory, args.out / "configs" / f"{run.label}.toml")
     rows = table(per_seed)
     (args.out / "results.json").write_text(json.dumps({"per_seed": per_seed, "table": rows}, indent=1))
     with open(args.out / "table.csv", "w", newline="") as f:

@@ -2,12 +2,14 @@
 
 A study describes each run as a `Job` (a `titan-async train` command line and its run directory);
 `run_jobs` trains them, a few at a time, each with its console output in RUN.log, and
-`describe_invocation` records how: the command, the git revision and the machine's load.
+`run_recorded` records how: the command, the git revision and the machine's load;
+`record_config` copies a run's resolved config into the study's output.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -98,3 +100,21 @@ def run_recorded(script: str, argv: list[str], jobs: list[Job], parallel: int = 
             f"1-minute load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after "
             f"({os.cpu_count()} cores, shared with other work)")
     return walls, line
+
+
+RESOLVED_FROM = re.compile(r"^# resolved from (.+)$", re.MULTILINE)
+"""The header line of a run's config.toml naming the config it was resolved from."""
+
+
+def record_config(run_dir: Path, destination: Path) -> None:
+    """Copy `run_dir`'s resolved config.toml to `destination`, its source config named relative to
+    the repository (ROOT) when it lies there: a recorded config carries no path of the machine
+    that ran it (a source outside the repository keeps its path)."""
+    text = (run_dir / "config.toml").read_text()
+    destination.write_text(RESOLVED_FROM.sub(lambda m: f"# resolved from {repository_path(m.group(1))}", text, count=1))
+
+
+def repository_path(path: str) -> str:
+    """`path` relative to the repository (ROOT) when it lies inside it, else unchanged."""
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else path

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from tokenizers import Tokenizer, processors
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.models.llama3 import Llama3StateDictAdapter
@@ -29,6 +30,7 @@ from titan_async.core.errors import UserError
 from titan_async.data.sources import tokenizer_dir
 from titan_async.model.meta import build_meta_model
 from titan_async.rundir import directory as runs
+from titan_async.rundir.checksummed_read import ChecksumMismatch, ChecksummedReader
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -147,12 +149,17 @@ def _stored_entries(checkpoint: Path, expected: dict[str, torch.Tensor]) -> dict
     return entries
 
 
-def read_hf_tensors(checkpoint: Path, adapter, entries: dict[str, tuple[torch.Size, torch.dtype]], names: list[str]) -> dict[str, torch.Tensor]:
+def read_hf_tensors(checkpoint: Path, adapter, entries: dict[str, tuple[torch.Size, torch.dtype]], names: list[str],
+                    verified: bool = False) -> dict[str, torch.Tensor]:
     """The checkpoint's entries `names`, in their stored dtype, under their Hugging Face names;
-    UserError naming `checkpoint` if it cannot be read."""
+    UserError naming `checkpoint` if it cannot be read. `verified`: each file read is checked
+    against its recorded checksum as it is read (`ChecksummedReader`), and a mismatch is the error."""
     state = {name: torch.empty(entries[name][0], dtype=entries[name][1]) for name in names}
     try:
-        dcp.load(state, checkpoint_id=str(checkpoint))
+        dcp.load(state, checkpoint_id=str(checkpoint), storage_reader=ChecksummedReader(checkpoint) if verified else None)
+    except CheckpointException as failure:
+        mismatch = next((error for error, _ in failure.failures.values() if isinstance(error, ChecksumMismatch)), failure)
+        raise runs.unreadable_checkpoint(checkpoint, mismatch) from None
     except Exception as err:
         raise runs.unreadable_checkpoint(checkpoint, err) from None
     return adapter.to_hf(state)

@@ -19,6 +19,7 @@ from titan_async.core import comm_log, platform, streams
 from titan_async.core.platform import DropMessages
 from titan_async.rundir import checkpoints, directory as runs, resumes
 from titan_async.rundir.after_save import AfterSaves
+from titan_async.run.node_checks import once_per_node
 from titan_async.run.process import MEMORY_CHECKED_ENV, exit_with_parent, name_worker, restart_count
 
 
@@ -116,8 +117,8 @@ def train(run_dir: Path, verbose: bool = False, run=None) -> int:
     from titan_async.pipeline.config import prepare_split_backward
 
     run = _resume_point(run_dir, run or _config_to_train(run_dir))
-    if not os.environ.get(MEMORY_CHECKED_ENV):  # started by torchrun without titan-async's launcher: check here
-        check_launch(run, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if not os.environ.get(MEMORY_CHECKED_ENV):  # started by torchrun without titan-async's launcher: check here, once per node
+        once_per_node("the memory check", lambda: check_launch(run, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     warning = prepare_split_backward(run.parallelism.pipeline_parallel_schedule, run.compile.enable and not platform.is_cpu())
     if warning:
         logging.getLogger("titan_async").warning(warning)

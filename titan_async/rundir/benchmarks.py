@@ -4,7 +4,8 @@ back by `report` and `compare`.
 A step's file holds {"step", "checkpoint", "harness", "tasks"}; "tasks" maps each task's name
 to {"metrics": {name: value}, "stderr": {name: value or null}, "num_fewshot", "samples",
 "limit"}. A later evaluation of the same step adds its tasks to the file, replacing those of
-the same name.
+the same name. A benchmark during training that could not run records why, in one line, as
+"failure" (`save_failure`); a later evaluation of the step drops it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,16 @@ def save_results(run_dir: Path, step: int, checkpoint: Path, harness: str, tasks
     path.parent.mkdir(exist_ok=True)
     record = {"step": step, "checkpoint": str(checkpoint), "harness": harness, "tasks": {**stored, **tasks}}
     runs.write_atomic(path, json.dumps(record, indent=1))
+    return path
+
+
+def save_failure(run_dir: Path, step: int, checkpoint: Path, reason: str) -> Path:
+    """Record in RUN/benchmarks/step-`step`.json why its benchmark has no results (`reason`, one
+    line), keeping the tasks already stored there; returns the file."""
+    path = run_dir / BENCHMARKS_DIR / f"step-{step}.json"
+    record = json.loads(path.read_text()) if path.is_file() else {"step": step, "checkpoint": str(checkpoint), "tasks": {}}
+    path.parent.mkdir(exist_ok=True)
+    runs.write_atomic(path, json.dumps({**record, "failure": reason}, indent=1))
     return path
 
 

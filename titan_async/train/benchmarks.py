@@ -5,7 +5,9 @@ metrics.jsonl) pins the checkpoint (`rundir.pins`: `checkpoint.keep_latest_k` ke
 evaluation has read it) and queues it; one background thread evaluates the queued checkpoints in
 save order, one at a time, each in a process of its own on `eval.device`
 (`benchmark_process`), while training goes on: the checkpoint is the drained stream's weights
-(every schedule drains before a save), and no pipeline stage waits for the evaluation. At most
+(every schedule drains before a save), and no pipeline stage waits for the evaluation. An
+evaluation starts once every rank has recorded the checksums of the files it saved, and verifies
+the files it reads against them as it reads them (`benchmark_process`). At most
 `eval.max_pending` checkpoints wait: a newer one pushes out the oldest waiting, with a one-line
 warning naming its step. A finished evaluation is logged at the next step, under its own step:
 metrics.jsonl rows of kind "benchmark" and TensorBoard scalars `benchmark/<task>/<metric>`; the
@@ -92,6 +94,8 @@ class PeriodicBenchmarks:
         self.run_dir = run_dir
         self.log = log
         self.device = eval_device(section.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), visible_gpus())
+        self.ranks = int(os.environ.get("WORLD_SIZE", "1"))
+        """The ranks that save each checkpoint, each recording the checksums of its files."""
         self.waiting: collections.deque[int] = collections.deque()
         self.changed = threading.Condition()
         self.closing = False
@@ -159,7 +163,8 @@ class PeriodicBenchmarks:
         while (step := self._next()) is not None:
             checkpoint = self.checkpoint(step)
             try:
-                tasks = evaluate(checkpoint, step, self.section, self.device, self.run_dir / "logs" / f"eval-step-{step}.log")
+                tasks = evaluate(checkpoint, step, self.section, self.device, self.run_dir / "logs" / f"eval-step-{step}.log",
+                                 self.ranks)
             finally:
                 pins.release(checkpoint)
             self.finished.put((step, tasks))

@@ -23,12 +23,15 @@ from lm_eval.tasks import TaskManager
 from rich.console import Console
 from rich.table import Table
 
+from titan_async.commands.evaluate.memory import check_cpu_memory
 from titan_async.core.errors import UserError
 from titan_async.model.hf_conversion import conversion, hf_fast_tokenizer, read_hf_tensors
 from titan_async.rundir.benchmarks import HEADER, result_rows, save_results
-from titan_async.rundir.checkpoints import checked_step
+from titan_async.rundir.checkpoints import named_step
 
 HARNESS = f"lm-eval {version('lm-eval')}"
+EVAL_DTYPE = torch.float32
+"""The dtype the evaluated model is held and run in."""
 TASK_FILE_SUFFIXES = (".yaml", ".yml")
 
 
@@ -70,13 +73,14 @@ def load_tasks(specs: list[str]) -> tuple[TaskManager, list]:
 
 
 def hf_model(checkpoint: Path) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerFast]:
-    """`checkpoint` as a float32 transformers model and its tokenizer, built in memory from
-    what `export` would write (UserError as `export` gives one)."""
-    hf = conversion(checkpoint, "float32")
-    state = read_hf_tensors(checkpoint, hf.adapter, hf.entries, list(hf.entries))
+    """`checkpoint` as a transformers model in `EVAL_DTYPE` and its tokenizer, built in memory from
+    what `export` would write (UserError as `export` gives one), each file read once and checked
+    against its recorded checksum as it is read (UserError naming a file that does not match)."""
+    hf = conversion(checkpoint, str(EVAL_DTYPE).removeprefix("torch."))
+    state = read_hf_tensors(checkpoint, hf.adapter, hf.entries, list(hf.entries), verified=True)
     transformers.utils.logging.disable_progress_bar()
     model_class = getattr(transformers, hf.config["architectures"][0])
-    model = model_class.from_pretrained(None, config=model_class.config_class(**hf.config), state_dict=state, dtype=torch.float32)
+    model = model_class.from_pretrained(None, config=model_class.config_class(**hf.config), state_dict=state, dtype=EVAL_DTYPE)
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=hf_fast_tokenizer(hf.tokenizer_source, hf.tokenizer),
         bos_token=hf.tokenizer.bos_token,
@@ -125,11 +129,14 @@ def evaluate_tasks(checkpoint: Path, tasks: str, *, limit: int | None, num_fewsh
     specs = parse_tasks(tasks)
     if device not in (None, "cpu") and int(device.partition(":")[2] or 0) >= torch.cuda.device_count():
         raise UserError(f"--device {device}: no such GPU (this process sees {torch.cuda.device_count()})")
-    step = checked_step(checkpoint)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        check_cpu_memory(checkpoint, EVAL_DTYPE)
+    step = named_step(checkpoint)  # the model's files are verified as they are read (`hf_model`)
     datasets.disable_progress_bars()  # lm-eval's own bar shows the progress
     manager, built = load_tasks(specs)
     model, tokenizer = hf_model(checkpoint)
-    model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model.to(device)
     output = lm_eval.simple_evaluate(
         model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size),
         tasks=built, task_manager=manager, num_fewshot=num_fewshot, limit=limit, log_samples=False,

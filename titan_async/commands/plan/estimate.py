@@ -238,6 +238,7 @@ def make_setup(run: RunConfig, layout: Layout, vocab: int, gpu: bool = True) -> 
         sequence_parallel=sequence_parallel,
         gpu=gpu,
         replicas=layout.replicas,
+        weight_prediction=t.weight_prediction > 0,
         **({key: int(s[key]) for key in ("num_experts", "top_k", "moe_hidden_dim")} if moe else {}),
         **({"ep": p.expert_parallel_degree} if moe else {}),
         **({"expert_bytes": TORCH_DTYPE_MAP[compute].itemsize} if moe and run.model.expert_precision == "full" else {}),

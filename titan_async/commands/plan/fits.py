@@ -1,5 +1,6 @@
 """Will a run fit the memory its ranks have? `train` and `resume` ask before they launch, and a
-worker that an external torchrun started without them asks before it builds its model.
+worker that an external torchrun started without them asks before it builds its model; under an
+external launcher local rank 0 asks for its node's workers.
 
 Each rank's need is `plan`'s peak estimate for its pipeline rank (`estimate.estimate`, from the
 config and a meta-device model: nothing is allocated). What a rank has: on a CPU, the RAM
@@ -46,29 +47,47 @@ class RankMemory:
 
 def ranks_here(nproc: int, external: bool) -> tuple[list[tuple[int, int]], int]:
     """(global rank, local rank) of the ranks this process checks, and the node's rank count:
-    the launcher checks all the workers it starts; a worker of an external launcher itself."""
+    the launcher checks all the workers it starts; under an external launcher local rank 0 checks
+    its node's workers (`run.node_checks`), whose global ranks torchrun (and Slurm's block
+    distribution) makes consecutive."""
     if not external:
         return [(rank, rank) for rank in range(nproc)], nproc
     env = os.environ
-    return [(int(env.get("RANK", "0")), int(env.get("LOCAL_RANK", "0")))], int(env.get("LOCAL_WORLD_SIZE", "1"))
+    local_world = int(env.get("LOCAL_WORLD_SIZE", "1"))
+    first = int(env.get("RANK", "0")) - int(env.get("LOCAL_RANK", "0"))
+    return [(first + local, local) for local in range(local_world)], local_world
+
+
+def _override() -> int | None:
+    """The bytes `AVAILABLE_ENV` gives, or None when it is unset."""
+    override = os.environ.get(AVAILABLE_ENV)
+    if override is None:
+        return None
+    try:
+        return round(float(override) * GIB)
+    except ValueError:
+        raise UserError(f"{AVAILABLE_ENV}={override!r}: expected a number of GiB") from None
+
+
+def node_ram() -> tuple[int, str]:
+    """The RAM available on this node (bytes: `AVAILABLE_ENV`, else /proc/meminfo MemAvailable)
+    and, in words, where the number comes from."""
+    override = _override()
+    if override is not None:
+        return override, f"{_gib(override)} GiB by {AVAILABLE_ENV}"
+    total = _available_ram()
+    return total, f"{_gib(total)} GiB of available RAM"
 
 
 def rank_memory(ranks: list[tuple[int, int]], local_world: int, cpu: bool) -> list[RankMemory] | None:
     """What each of `ranks` has (None where it cannot be known without the CUDA runtime)."""
-    override = os.environ.get(AVAILABLE_ENV)
-    if override is not None:
-        try:
-            total = round(float(override) * GIB)
-        except ValueError:
-            raise UserError(f"{AVAILABLE_ENV}={override!r}: expected a number of GiB") from None
-        if cpu:
-            return [RankMemory(r, lr, total // local_world, f"{_gib(total)} GiB by {AVAILABLE_ENV} over {local_world} "
-                               f"local rank{'s' * (local_world != 1)}") for r, lr in ranks]
-        return [RankMemory(r, lr, total, f"{_gib(total)} GiB free on its GPU by {AVAILABLE_ENV}") for r, lr in ranks]
     if cpu:
-        total = _available_ram()
-        return [RankMemory(r, lr, total // local_world, f"{_gib(total)} GiB of available RAM over {local_world} "
-                           f"local rank{'s' * (local_world != 1)}") for r, lr in ranks]
+        total, source = node_ram()
+        return [RankMemory(r, lr, total // local_world, f"{source} over {local_world} local rank{'s' * (local_world != 1)}")
+                for r, lr in ranks]
+    override = _override()
+    if override is not None:
+        return [RankMemory(r, lr, override, f"{_gib(override)} GiB free on its GPU by {AVAILABLE_ENV}") for r, lr in ranks]
     found = []
     for rank, local in ranks:
         free = _gpu_free(local)

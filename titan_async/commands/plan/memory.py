@@ -186,6 +186,8 @@ class Setup:
     ep: int = 1
     """expert_parallel_degree: data ranks of a stage that split the experts and exchange the routed
     tokens by all-to-all (1: each rank routes its own tokens)."""
+    weight_prediction: bool = False
+    """training.weight_prediction > 0: PACI's stages before the last run each forward on predicted weights."""
 
     @property
     def gathered(self) -> int:
@@ -542,7 +544,11 @@ def fsdp_traffic_bytes(schedule: str, stages: list[StageShape], setup: Setup, mi
 
     (a one-rank FSDP group moves nothing). Every reduction is followed by a gather: torch's
     schedules reshard at the end of each flush, PipeDream2BW gathers each version once (its
-    other version stays gathered), PACI gathers again after each local step. The all-reduce is
+    other version stays gathered), PACI gathers again after each local step. Under PACI with
+    weight prediction a stage that predicts (every stage but the last) gathers twice per forward
+    instead, the predicted weights for the forward and the current ones after it
+    (`pipeline.versions.PredictedAccumulation`), n_gather = 2 K m in steady state (its
+    reduce-scatters stay n). The all-reduce is
     that of the reduce-scattered shard, counted as the bytes of the tensor all-reduced, as the
     runtime counts it; a ring all-reduce sends and receives 2 (r - 1) / r times that per rank.
     FSDP's padding of shards is left out. Drains for checkpoints and validation may add one
@@ -553,9 +559,12 @@ def fsdp_traffic_bytes(schedule: str, stages: list[StageShape], setup: Setup, mi
     experts = stage_experts / setup.ep
     dense = _fsdp_params(stages, setup) - experts
     n = reductions_per_step(schedule, microbatches, accumulation_steps, accumulation)
+    gathers = n
+    if schedule.lower() == "paci" and setup.weight_prediction and not any(s.last for s in stages):
+        gathers = 2 * window_microbatches(schedule, microbatches, accumulation_steps)
     sharded = dense * (setup.fsdp_degree > 1) + experts * (setup.fsdp_degree > setup.ep)
     return {
-        "all_gather": n * sharded * setup.compute_bytes,
+        "all_gather": gathers * sharded * setup.compute_bytes,
         "reduce_scatter": n * sharded * setup.reduce_bytes,
         "all_reduce": n * (dense + stage_experts) / setup.fsdp_degree * setup.reduce_bytes if setup.replicas > 1 else 0.0,
     }

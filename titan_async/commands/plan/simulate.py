@@ -29,7 +29,8 @@ rank gives each 1/v):
   predicts per step, per gradient reduction, as ring collectives over the link their group
   spans, spread over the rank's FSDP units (blocks, the embedding, norm + output head) and
   overlapped unit by unit with the first forward after a reduction (gather) and the backward
-  that completes one (reduction), as `pipeline.simulation` models them. TP's collectives are
+  that completes one (reduction), as `pipeline.simulation` models them (PACI's gathers of
+  predicted weights, two per forward, are spread over its reductions alike). TP's collectives are
   left to the MFU.
 """
 
