@@ -64,6 +64,7 @@ def test_a_damaged_checkpoint_is_moved_aside_and_an_elastic_run_resumes_from_the
     before = {path.name: path.read_bytes() for path in checkpoint.iterdir()}
     result = run_cli("resume", "--run-dir", str(run_dir), "--max-restarts", "2")
     assert "restart 1" not in result.stderr, result.stderr[-3000:]  # the first workers fell back
+    assert "from step-4: the run is complete (training.steps = 4)" in result.stdout  # as the launcher's cheap checks see it
     moved = run_dir / "damaged_checkpoints" / "step-4"
     warning = (f"checkpoint {checkpoint} is damaged (__1_0.distcp does not match its checksum (damaged in place)); moved to "
                f"{moved}; resuming from step-2 (its later steps train again)")

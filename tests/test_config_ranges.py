@@ -128,3 +128,9 @@ def test_a_config_that_is_not_utf8_is_refused_naming_its_line(capsys, tmp_path):
     path.write_bytes("[training]\nsteps = 5\n# r\u00e9sum\u00e9 of the run\n".encode("latin-1"))
     err = fail(capsys, "config", "show", "--config", str(path))
     assert err == f"titan-async: {path}: line 3: byte 0xe9 is not UTF-8; TOML files are UTF-8 text (save it as UTF-8)"
+
+
+def test_a_schedule_shorter_than_the_run_is_refused(capsys):
+    """Past lr_scheduler.total_steps torchtitan's linear decay makes the lr negative: gradient ascent."""
+    err = fail(capsys, "config", "show", *sets("training.steps=10", "lr_scheduler.total_steps=8"))
+    assert "lr_scheduler.total_steps (8) < training.steps (10): past the end of its schedule the decay turns the lr negative" in err

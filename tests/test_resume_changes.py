@@ -195,7 +195,6 @@ def attrgetter_toml(document: dict, key: str):
 @pytest.mark.parametrize("assignments, message", [
     (["training.steps=2"], "--set 'training.steps=2': the run resumes from its checkpoint at step 2; expected training.steps > 2"),
     (["training.steps=1"], "--set 'training.steps=1': the run resumes from its checkpoint at step 2; expected training.steps > 2"),
-    ([], "the run is complete (its checkpoint is at step 2, training.steps = 2); to train on, resume with --set training.steps=N, N > 2"),
     (["training.steps=4", "optimizer.weight_decay=-1"], "optimizer.weight_decay: expected a number >= 0, got -1.0"),
     # Before: the workers' checkpoint load failed with a traceback.
     (["training.steps=4", "model.n_layers=5"], "model.n_layers: the checkpoints hold the weights of a model with "

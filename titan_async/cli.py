@@ -197,7 +197,7 @@ def _resume(args) -> int:
         refuse_switches(saved, args.set)
         run = load_run_config(args.run_dir / "config.toml", args.set)
         check_resumable(saved, run)
-        _check_steps_left(run, point[0], args.set, args.run_dir)
+        plan = _check_steps_left(run, point[0], args.set)
         run.check(process.world_size(nproc))
         _check_eval_device(run, nproc)
         trainer_config(run, args.run_dir, process.world_size(nproc))
@@ -205,22 +205,23 @@ def _resume(args) -> int:
         if process.is_coordinator():
             resumes.stage(args.run_dir, render_toml(run), nproc, args.set)
             runs.clear_stop(args.run_dir)
-            print(f"resuming {args.run_dir} from {point[1].name}", flush=True)
+            print(f"resuming {args.run_dir} from {point[1].name}: {plan}", flush=True)
         return _launch(args.run_dir, nproc, args.verbose, run, args.max_restarts)
 
 
-def _check_steps_left(run, checkpoint_step: int, assignments: list[str], run_dir: Path) -> None:
-    """UserError when the resumed run would train no step: `training.steps` at or below the step
-    of the checkpoint it resumes from (torchtitan would assert, or train nothing and exit 0)."""
+def _check_steps_left(run, checkpoint_step: int, assignments: list[str]) -> str:
+    """UserError when `--set training.steps` leaves the resumed run no step to train (at or below
+    the step of the checkpoint it resumes from: torchtitan would assert, or train nothing and
+    exit 0); what the resume will do, in words, otherwise. A plain resume of a complete run still
+    launches: its workers verify the last checkpoint, and retrain from an earlier one if it is damaged."""
     steps = run.training.steps
-    if steps > checkpoint_step:
-        return
     given = [a for a in assignments if a.partition("=")[0].strip() == "training.steps"]
-    if given:
+    if given and steps <= checkpoint_step:
         raise UserError(f"--set {given[-1]!r}: the run resumes from its checkpoint at step {checkpoint_step}; "
                         f"expected training.steps > {checkpoint_step}")
-    raise UserError(f"--run-dir {run_dir}: the run is complete (its checkpoint is at step {checkpoint_step}, "
-                    f"training.steps = {steps}); to train on, resume with --set training.steps=N, N > {checkpoint_step}")
+    if steps <= checkpoint_step:
+        return f"the run is complete (training.steps = {steps}); to train on, resume with --set training.steps=N"
+    return f"training to step {steps}"
 
 
 def _check_new_run(run, directory: Path, nproc: int, skip_memory_check: bool) -> None:

@@ -161,6 +161,13 @@ class RunConfig:
                 f"{p.pipeline_parallel_schedule}: its stages write weights and optimizer state inside the step, "
                 "while the background copy of a save may still read them; set checkpoint.async_mode = \"disabled\""
             )
+        total = self.lr_scheduler.total_steps
+        if total is not None and total < t.steps:
+            raise UserError(
+                f"{self.source}: lr_scheduler.total_steps ({total}) < training.steps ({t.steps}): past the end of its "
+                "schedule the decay turns the lr negative (linear, sqrt) or back up (cosine); set it to at least "
+                "training.steps, or leave it unset (training.steps)"
+            )
         if t.global_batch_size > 0 and t.global_batch_size % (t.local_batch_size * dp):
             raise UserError(
                 f"{self.source}: training.global_batch_size ({t.global_batch_size}) must be a multiple of "

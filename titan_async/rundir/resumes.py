@@ -14,13 +14,16 @@ import time
 import tomllib
 from pathlib import Path
 
-from titan_async.rundir.directory import CONFIG_FILE, RESUME_HISTORY_FILE, RESUME_STAGED_FILE, save_launch, write_atomic
+from titan_async.rundir.directory import (
+    CONFIG_FILE, RESUME_HISTORY_FILE, RESUME_STAGED_FILE, save_launch, write_atomic, writing,
+)
 
 
 def stage(run_dir: Path, config_toml: str, nproc_per_node: int, assignments: list[str]) -> None:
     """Hold the resume's checked config, its launch setting and its `--set` assignments until `commit`."""
     record = {"config": config_toml, "nproc_per_node": nproc_per_node, "set": list(assignments)}
-    write_atomic(run_dir / RESUME_STAGED_FILE, json.dumps(record))
+    with writing("--run-dir", run_dir):
+        write_atomic(run_dir / RESUME_STAGED_FILE, json.dumps(record))
 
 
 def staged_config(run_dir: Path) -> str | None:
