@@ -70,7 +70,8 @@ def test_two_agents_train_pp2_x_fsdp2_through_c10d_rendezvous(tmp_path):
     counted = collections.Counter(calls.read_text().splitlines())
     assert counted == {"0 titan_async.commands.plan.fits.check_fits": 1, "2 titan_async.commands.plan.fits.check_fits": 1,
                        "0 titan_async.config.assemble.trainer_config": 2, "2 titan_async.config.assemble.trainer_config": 2,
-                       "1 titan_async.config.assemble.trainer_config": 1, "3 titan_async.config.assemble.trainer_config": 1}, counted
+                       "1 titan_async.config.assemble.trainer_config": 1, "3 titan_async.config.assemble.trainer_config": 1,
+                       "0 titan_async.rundir.checkpoints.resume_point": 1}, counted  # the worker of rank 0 picks the checkpoint
 
 
 def test_local_rank_0s_failed_check_is_every_workers_one_line(tmp_path):
@@ -89,3 +90,23 @@ def test_local_rank_0s_failed_check_is_every_workers_one_line(tmp_path):
     assert "needs about" in said[0] and "or start anyway with --skip-memory-check" in said[0]
     assert calls.read_text().splitlines() == ["0 titan_async.config.assemble.trainer_config", "0 titan_async.commands.plan.fits.check_fits"]
     assert not (tmp_path / "run").exists()
+
+
+def test_resume_checks_once_per_node(tmp_path):
+    """resume under torchrun: local rank 0 alone scans the checkpoints and makes the launch checks;
+    their failure (the memory estimate, against 1 MiB said to be there) is the other worker's line."""
+    run_dir, calls = tmp_path / "run", tmp_path / "calls.txt"
+    subprocess.run([sys.executable, "-m", "titan_async.cli", "train", "--run-dir", str(run_dir),
+                    *sets(*TINY, "training.steps=1", "validation.enable=false")], cwd=REPO, check=True, capture_output=True,
+                   timeout=TIMEOUT_S)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "titan_async.cli", "resume", "--run-dir", str(run_dir), *sets("training.steps=2")]
+    env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(COUNTED_CALLS), os.environ.get("PYTHONPATH")])),
+               TITAN_ASYNC_TEST_CALLS=str(calls), TITAN_ASYNC_MEMORY_AVAILABLE_GIB=str(1 / 1024))
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    said = [line for line in result.stderr.splitlines() if line.startswith("titan-async: ")]
+    assert result.returncode != 0 and len(said) == 2 and said[0] == said[1] and "needs about" in said[0], result.stderr[-3000:]
+    assert calls.read_text().splitlines() == ["0 titan_async.rundir.checkpoints.resume_point",
+                                              "0 titan_async.config.assemble.trainer_config",
+                                              "0 titan_async.commands.plan.fits.check_fits"]

@@ -176,37 +176,54 @@ def _train(args) -> int:
 
 
 def _resume(args) -> int:
-    from titan_async.commands.plan.fits import check_launch
-    from titan_async.config.assemble import check_resumable, refuse_switches, trainer_config
+    from titan_async.config.assemble import refuse_switches
     from titan_async.config.run_config import load_run_config, render_toml
     from titan_async.run import process
+    from titan_async.run.node_checks import once_per_node
     from titan_async.rundir import directory as runs
     from titan_async.rundir import resumes
-    from titan_async.rundir.checkpoints import resume_point
 
     _check_max_restarts(args.max_restarts)
     settings = runs.load_launch(args.run_dir)
+    nproc = args.nproc_per_node or settings["nproc_per_node"]
+    saved = load_run_config(args.run_dir / runs.CONFIG_FILE, [])
+    refuse_switches(saved, args.set)
+    run = load_run_config(args.run_dir / runs.CONFIG_FILE, args.set)
     with _coordinator_lock(args.run_dir):
-        point = resume_point(args.run_dir, warn=_warning if process.is_coordinator() else lambda message: None)
-        if point is None:
-            aside = args.run_dir / runs.OVERWRITTEN_DIR
-            kept = f"; the run it replaced is in {aside}: move its files back to resume that one" if aside.is_dir() else ""
-            raise UserError(f"--run-dir {args.run_dir}: no complete checkpoint to resume from (checkpoint/step-N/.metadata){kept}")
-        nproc = args.nproc_per_node or settings["nproc_per_node"]
-        saved = load_run_config(args.run_dir / "config.toml", [])
-        refuse_switches(saved, args.set)
-        run = load_run_config(args.run_dir / "config.toml", args.set)
-        check_resumable(saved, run)
-        plan = _check_steps_left(run, point[0], args.set)
-        run.check(process.world_size(nproc))
-        _check_eval_device(run, nproc)
-        trainer_config(run, args.run_dir, process.world_size(nproc))
-        check_launch(run, nproc, args.skip_memory_check)
+        found: list[tuple[tuple[int, Path], str]] = []
+        once_per_node("the resume checks", lambda: found.append(_check_resume(args, saved, run, nproc)))
+        os.environ[process.MEMORY_CHECKED_ENV] = "1"  # the node's workers are checked: a worker does not check again
         if process.is_coordinator():
+            (_, checkpoint), plan = found[0]
             resumes.stage(args.run_dir, render_toml(run), nproc, args.set)
             runs.clear_stop(args.run_dir)
-            print(f"resuming {args.run_dir} from {point[1].name}: {plan}", flush=True)
+            print(f"resuming {args.run_dir} from {checkpoint.name}: {plan}", flush=True)
         return _launch(args.run_dir, nproc, args.verbose, run, args.max_restarts)
+
+
+def _check_resume(args, saved, run, nproc: int) -> tuple[tuple[int, Path], str]:
+    """Every check of `resume` before launch, made once per node under torchrun or Slurm: the
+    checkpoint it resumes from (the latest intact one, by the cheap checks), the new values
+    against what the checkpoints hold, the config at the job's world size, and plan's memory
+    estimate; returns ((step, checkpoint), what the resume will do)."""
+    from titan_async.commands.plan.fits import check_launch
+    from titan_async.config.assemble import check_resumable, trainer_config
+    from titan_async.run import process
+    from titan_async.rundir import directory as runs
+    from titan_async.rundir.checkpoints import resume_point
+
+    point = resume_point(args.run_dir, warn=_warning if process.is_coordinator() else lambda message: None)
+    if point is None:
+        aside = args.run_dir / runs.OVERWRITTEN_DIR
+        kept = f"; the run it replaced is in {aside}: move its files back to resume that one" if aside.is_dir() else ""
+        raise UserError(f"--run-dir {args.run_dir}: no complete checkpoint to resume from (checkpoint/step-N/.metadata){kept}")
+    check_resumable(saved, run)
+    plan = _check_steps_left(run, point[0], args.set)
+    run.check(process.world_size(nproc))
+    _check_eval_device(run, nproc)
+    trainer_config(run, args.run_dir, process.world_size(nproc))
+    check_launch(run, nproc, args.skip_memory_check)
+    return point, plan
 
 
 def _check_steps_left(run, checkpoint_step: int, assignments: list[str]) -> str:
