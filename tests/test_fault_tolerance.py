@@ -164,12 +164,13 @@ def test_every_checkpoint_damaged_is_one_line(saved, capsys, tmp_path):
 
 def test_every_checkpoint_damaged_in_place_is_one_line_and_each_is_moved_aside_whole(saved, capsys, tmp_path):
     """The launcher's cheap checks pass; the worker finds each damaged in turn as it loads it, and
-    refuses once none is left, as does every later resume: the run never starts over from step 0."""
+    refuses once none is left, as does every later resume: the run never starts over from step 0.
+    The elastic agent does not restart a worker that refused (every restart would say it again)."""
     run_dir = shutil.copytree(saved, tmp_path / "run")
     for step in range(1, 5):
         flip_a_byte(checkpoint(run_dir, step) / "__0_0.distcp")
     before = {step: {p.name: p.read_bytes() for p in checkpoint(run_dir, step).iterdir()} for step in range(1, 5)}
-    result = run_cli("resume", "--run-dir", str(run_dir), check=False)
+    result = run_cli("resume", "--run-dir", str(run_dir), "--max-restarts", "2", check=False)
     aside = run_dir / "damaged_checkpoints"
     said = [line for line in result.stderr.splitlines() if line.startswith("titan-async:")]
     assert result.returncode == 2 and said == [

@@ -95,6 +95,7 @@ def _agent(run_dir: Path, nproc_per_node: int, verbose: bool, max_restarts: int)
 
     if not verbose:
         quiet_agent_logs()
+    no_restart_after_user_errors()
 
     args = torchrun.parse_args([  # the module named last is torchrun's required argument; the entrypoint below runs
         "--standalone", f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}",
@@ -127,6 +128,24 @@ def quiet_agent_logs() -> None:
     below = [name for name in logging.Logger.manager.loggerDict if name.startswith(tuple(f"{n}." for n in AGENT_LOGGERS))]
     for name in {*AGENT_LOGGERS, *below}:
         logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def no_restart_after_user_errors() -> None:
+    """torch's elastic agent restarts failed workers whatever failed them; workers that all exited
+    2 said why in one line (a UserError: bad input, or no intact checkpoint left), which every
+    restart would repeat, so such a failure uses up the restarts (as torch's agent does for a
+    wedged worker). Called in the agent process, which runs nothing else."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    monitor = LocalElasticAgent._monitor_workers
+
+    def monitor_workers(agent, worker_group):
+        result = monitor(agent, worker_group)
+        if result.is_failed() and result.failures and all(f.exitcode == 2 for f in result.failures.values()):
+            agent._remaining_restarts = 0
+        return result
+
+    LocalElasticAgent._monitor_workers = monitor_workers
 
 
 def failed_workers(failures: dict, run_dir: Path) -> str:
