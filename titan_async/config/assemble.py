@@ -39,6 +39,26 @@ def tokenizer_vocab_size(tokenizer_dir: Path) -> int:
     return HuggingFaceTokenizer.Config().build(tokenizer_path=str(tokenizer_dir)).get_vocab_size()
 
 
+def resolve_vocab_size(run: RunConfig) -> int:
+    """model.vocab_size, or for 0 the tokenizer's: data.tokenizer's tokenizer.json, else the
+    built-in stdlib BPE's data.vocab_size (nothing is downloaded or built)."""
+    try:
+        vocab = int(run.model.resolved(0)["vocab_size"])
+    except ValueError as err:
+        raise UserError(f"{run.source}: {err}") from None
+    if vocab:
+        return vocab
+    if not run.data.tokenizer:
+        return run.data.vocab_size
+    directory = Path(run.data.tokenizer).expanduser()
+    if not (directory / "tokenizer.json").is_file():
+        raise UserError(
+            f"{run.source}: model.vocab_size = 0 takes the tokenizer's size, but data.tokenizer = "
+            f"{run.data.tokenizer!r} has no tokenizer.json; set model.vocab_size"
+        )
+    return tokenizer_vocab_size(directory)
+
+
 def _weight_versions(run: RunConfig) -> bool:
     return bool(run.training.gradient_delay or streaming_schedule(run.parallelism.pipeline_parallel_schedule))
 

@@ -4,7 +4,7 @@ The evaluation holds the model's parameters in float32 (`tasks.hf_model`), and o
 the harness's activations, the tokenizer, the task data and the process itself: counted as
 `MARGIN` of the parameters' bytes. The parameters are counted on the run's model built on the
 meta device (nothing is allocated), and compared with the RAM available on the node
-(`plan.fits.node_ram`: /proc/meminfo MemAvailable, or `TITAN_ASYNC_MEMORY_AVAILABLE_GIB`). A model
+(`core.node_memory.node_ram`: /proc/meminfo MemAvailable, or `TITAN_ASYNC_MEMORY_AVAILABLE_GIB`). A model
 that cannot fit is refused with one line before anything is read or allocated.
 """
 
@@ -14,16 +14,15 @@ from pathlib import Path
 
 import torch
 
-from titan_async.commands.plan.estimate import resolve_vocab_size
-from titan_async.commands.plan.fits import node_ram
+from titan_async.config.assemble import resolve_vocab_size
 from titan_async.config.run_config import load_run_config
 from titan_async.core.errors import UserError
+from titan_async.core.node_memory import GIB, node_ram
 from titan_async.model.meta import build_meta_model
 from titan_async.rundir import directory as runs
 
 MARGIN = 0.25
 """What the evaluation needs besides the parameters, as a share of their bytes."""
-GIB = 2**30
 
 
 def check_cpu_memory(checkpoint: Path, dtype: torch.dtype) -> None:

@@ -18,14 +18,13 @@ from titan_async.commands.plan.estimate import (
     estimate,
     estimate_model,
     mixture_of_experts,
-    resolve_vocab_size,
 )
 from titan_async.commands.plan.memory import compare_schedules, gib
 from titan_async.commands.plan.balance import balanced_split, gains, with_split
 from titan_async.commands.plan.render import advice_text, print_plan
 from titan_async.commands.plan.schedule_memory import schedule_memory
 from titan_async.commands.plan.simulate import SimulationOptions, simulate_plan
-from titan_async.config.assemble import plain_parameters
+from titan_async.config.assemble import plain_parameters, resolve_vocab_size
 from titan_async.config.run_config import RunConfig
 from titan_async.core.errors import UserError
 from titan_async.model.meta import MetaModel, build_meta_model

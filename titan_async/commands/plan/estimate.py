@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +29,7 @@ from titan_async.commands.plan.memory import (
     windows_per_step,
 )
 from titan_async.commands.plan.cluster import Cluster
-from titan_async.config.assemble import plain_parameters, tokenizer_vocab_size
+from titan_async.config.assemble import plain_parameters, resolve_vocab_size
 from titan_async.config.run_config import RunConfig
 from titan_async.core.errors import UserError
 from titan_async.model.meta import MetaModel, build_meta_model
@@ -93,26 +92,6 @@ def check_world_size(run: RunConfig, cluster: Cluster) -> None:
             f"--nodes {cluster.nodes} x --gpus-per-node {cluster.gpus_per_node} = {cluster.world_size} GPUs, but "
             f"{run.source}: {named} = {product} needs a GPU count {rule} {product}"
         )
-
-
-def resolve_vocab_size(run: RunConfig) -> int:
-    """model.vocab_size, or for 0 the tokenizer's: data.tokenizer's tokenizer.json, else the
-    built-in stdlib BPE's data.vocab_size (nothing is downloaded or built)."""
-    try:
-        vocab = int(run.model.resolved(0)["vocab_size"])
-    except ValueError as err:
-        raise UserError(f"{run.source}: {err}") from None
-    if vocab:
-        return vocab
-    if not run.data.tokenizer:
-        return run.data.vocab_size
-    directory = Path(run.data.tokenizer).expanduser()
-    if not (directory / "tokenizer.json").is_file():
-        raise UserError(
-            f"{run.source}: model.vocab_size = 0 takes the tokenizer's size, but data.tokenizer = "
-            f"{run.data.tokenizer!r} has no tokenizer.json; set model.vocab_size"
-        )
-    return tokenizer_vocab_size(directory)
 
 
 def make_layout(run: RunConfig, cluster: Cluster, model_config) -> Layout:

@@ -28,11 +28,10 @@ from titan_async.commands.plan.estimate import Cluster, estimate
 from titan_async.config.run_config import RunConfig
 from titan_async.core import platform
 from titan_async.core.errors import UserError
+from titan_async.core.node_memory import AVAILABLE_ENV, gib, node_ram, override
 from titan_async.run import process
 
-AVAILABLE_ENV = "TITAN_ASYNC_MEMORY_AVAILABLE_GIB"
 SKIP_FLAG = "--skip-memory-check"
-GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -58,36 +57,15 @@ def ranks_here(nproc: int, external: bool) -> tuple[list[tuple[int, int]], int]:
     return [(first + local, local) for local in range(local_world)], local_world
 
 
-def _override() -> int | None:
-    """The bytes `AVAILABLE_ENV` gives, or None when it is unset."""
-    override = os.environ.get(AVAILABLE_ENV)
-    if override is None:
-        return None
-    try:
-        return round(float(override) * GIB)
-    except ValueError:
-        raise UserError(f"{AVAILABLE_ENV}={override!r}: expected a number of GiB") from None
-
-
-def node_ram() -> tuple[int, str]:
-    """The RAM available on this node (bytes: `AVAILABLE_ENV`, else /proc/meminfo MemAvailable)
-    and, in words, where the number comes from."""
-    override = _override()
-    if override is not None:
-        return override, f"{_gib(override)} GiB by {AVAILABLE_ENV}"
-    total = _available_ram()
-    return total, f"{_gib(total)} GiB of available RAM"
-
-
 def rank_memory(ranks: list[tuple[int, int]], local_world: int, cpu: bool) -> list[RankMemory] | None:
     """What each of `ranks` has (None where it cannot be known without the CUDA runtime)."""
     if cpu:
         total, source = node_ram()
         return [RankMemory(r, lr, total // local_world, f"{source} over {local_world} local rank{'s' * (local_world != 1)}")
                 for r, lr in ranks]
-    override = _override()
+    override = override()
     if override is not None:
-        return [RankMemory(r, lr, override, f"{_gib(override)} GiB free on its GPU by {AVAILABLE_ENV}") for r, lr in ranks]
+        return [RankMemory(r, lr, override, f"{gib(override)} GiB free on its GPU by {AVAILABLE_ENV}") for r, lr in ranks]
     found = []
     for rank, local in ranks:
         free = _gpu_free(local)
@@ -95,17 +73,6 @@ def rank_memory(ranks: list[tuple[int, int]], local_world: int, cpu: bool) -> li
             return None
         found.append(RankMemory(rank, local, free, f"free on local GPU {local}, by NVML"))
     return found
-
-
-def _available_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class _NvmlMemory(ctypes.Structure):
@@ -132,11 +99,6 @@ def _gpu_free(local_rank: int) -> int | None:
         return int(memory.free)
     except (OSError, RuntimeError, AttributeError, IndexError, TypeError, ValueError):
         return None
-
-
-def _gib(value: float) -> str:
-    """Bytes as GiB to 3 significant digits (215, 20.8, 0.392)."""
-    return f"{value / GIB:.3g}"
 
 
 def _with(run: RunConfig, key: str, value: Any) -> RunConfig:
@@ -193,7 +155,7 @@ def _lowering(run: RunConfig, world_size: int, cpu: bool, need: int) -> list[str
         except (UserError, ValueError):
             continue
         if peak * (size // world_size if cpu else 1) < need:
-            lowered.append((peak, f"{text} ({_gib(peak)} GiB)"))
+            lowered.append((peak, f"{text} ({gib(peak)} GiB)"))
     return [text for _, text in sorted(lowered)]
 
 
@@ -218,8 +180,8 @@ def check_fits(run: RunConfig, world_size: int, nproc: int, external: bool, cpu:
     changes = _lowering(run, world_size, cpu, need)
     lower = f"; lower the estimate with {', '.join(changes)}" if changes else ""
     raise UserError(
-        f"{run.source}: rank {have.rank} needs about {_gib(need)} GiB at its peak (titan-async plan's estimate), "
-        f"but has {_gib(have.available)} GiB ({have.source}){lower}; or start anyway with {SKIP_FLAG}"
+        f"{run.source}: rank {have.rank} needs about {gib(need)} GiB at its peak (titan-async plan's estimate), "
+        f"but has {gib(have.available)} GiB ({have.source}){lower}; or start anyway with {SKIP_FLAG}"
     )
 
 
