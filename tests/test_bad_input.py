@@ -291,13 +291,13 @@ def _bound_by_permissions() -> None:
 def test_a_directory_the_user_cannot_write_is_one_line(tmp_path, case):
     """The command's first write into a chmod -w directory, run as a user would (`_bound_by_permissions`):
     report's RUN/report, or --out's folder; compare's BASELINE/compare; resume's lock file, or where
-    the lock file is there (and writable) the resolved config it saves."""
+    the lock file is there (and writable) the config it stages."""
     if case.startswith("resume"):
         run = _resumable_fake_run(tmp_path / "run", *TINY)
         if case == "resume with a lock file":
             write(run / "run.lock", "")
         args, unwritable, named = ["resume", "--run-dir", str(run)], run, f"--run-dir {run}"
-        written = run / ("run.lock" if case == "resume" else "config.toml.tmp")
+        written = run / ("run.lock" if case == "resume" else "resume.staged.json.tmp")
     elif case == "report --out":
         run, unwritable = write_run(tmp_path / "run", {1: 4.5, 10: 3.6}, 1.0), tmp_path / "pages"
         unwritable.mkdir()
