@@ -52,19 +52,30 @@ def damage(checkpoint: Path) -> str | None:
     return None
 
 
-def checked_step(checkpoint: Path) -> int:
-    """N of an intact checkpoint directory RUN/checkpoint/step-N, every file of it read against
-    its checksum (`eval` and `export` read it all anyway); UserError naming --checkpoint otherwise."""
+def named_step(checkpoint: Path) -> int:
+    """N of a complete checkpoint directory RUN/checkpoint/step-N (`damage`: .metadata, sizes and
+    manifests; no file is read whole, the load verifies what it reads against its checksum, as
+    `rundir.checksummed_read` does); UserError naming --checkpoint otherwise."""
     match = re.fullmatch(r"step-(\d+)", checkpoint.name)
     if match is None or checkpoint.parent.name != CHECKPOINT_DIR:
         raise UserError(f"--checkpoint {checkpoint}: expected a checkpoint directory RUN/checkpoint/step-N")
     if not checkpoint.is_dir():
         saved = ", ".join(p.name for _, p in reversed(saved_checkpoints(checkpoint.parent.parent))) or "none"
         raise UserError(f"--checkpoint {checkpoint}: no such checkpoint (the run has: {saved})")
-    problem = damage(checkpoint) or checksums.mismatch(checkpoint, checksums.recorded(checkpoint))[0]
+    problem = damage(checkpoint)
     if problem is not None:
         raise UserError(f"--checkpoint {checkpoint}: cannot read the checkpoint ({problem})")
     return int(match.group(1))
+
+
+def checked_step(checkpoint: Path) -> int:
+    """`named_step`, with every file of the checkpoint read against its checksum (`eval` and
+    `export` read it all anyway)."""
+    step = named_step(checkpoint)
+    problem = checksums.mismatch(checkpoint, checksums.recorded(checkpoint))[0]
+    if problem is not None:
+        raise UserError(f"--checkpoint {checkpoint}: cannot read the checkpoint ({problem})")
+    return step
 
 
 def saved_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
@@ -140,19 +151,3 @@ def last_logged_step(run_dir: Path) -> int:
             if row.get("kind") == "train":
                 steps.append(int(row["step"]))
     return max(steps)
-
-
-def named_step(checkpoint: Path) -> int:
-    """N of a complete checkpoint directory RUN/checkpoint/step-N (`damage`: .metadata, sizes and
-    manifests; no file is read whole, the load verifies what it reads against its checksum, as
-    `rundir.checksummed_read` does); UserError naming --checkpoint otherwise."""
-    match = re.fullmatch(r"step-(\d+)", checkpoint.name)
-    if match is None or checkpoint.parent.name != CHECKPOINT_DIR:
-        raise UserError(f"--checkpoint {checkpoint}: expected a checkpoint directory RUN/checkpoint/step-N")
-    if not checkpoint.is_dir():
-        saved = ", ".join(p.name for _, p in reversed(saved_checkpoints(checkpoint.parent.parent))) or "none"
-        raise UserError(f"--checkpoint {checkpoint}: no such checkpoint (the run has: {saved})")
-    problem = damage(checkpoint)
-    if problem is not None:
-        raise UserError(f"--checkpoint {checkpoint}: cannot read the checkpoint ({problem})")
-    return int(match.group(1))
