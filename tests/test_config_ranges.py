@@ -117,10 +117,14 @@ def test_config_show_makes_the_cross_key_checks_of_train(capsys):
     assert status == 0 and "pipeline_parallel_degree = 2" in out
 
 
-def test_sync_start_beyond_the_last_step_is_refused(capsys):
-    err = fail(capsys, "config", "show", "--config", str(CONFIGS / "debug_cpu_pp2_2bw.toml"),
-               *sets("training.steps=5", "training.sync_start_steps=5"))
-    assert "training.sync_start_steps = 5 leaves no step of training.steps = 5 to the streaming schedule" in err
+def test_sync_start_over_every_step_is_said(capsys):
+    """A run that Sync Start keeps synchronous throughout (before: without a word); valid, as a
+    run trained in parts streams once resumed with more steps."""
+    status, _, err = cli_in_process(capsys, "config", "show", "--config", str(CONFIGS / "debug_cpu_pp2_2bw.toml"),
+                                    *sets("training.steps=5", "training.sync_start_steps=5"))
+    assert status == 0 and err.strip() == ("titan-async: warning: training.sync_start_steps = 5 covers every step of "
+                                           "training.steps = 5: this run is synchronous throughout, and streams only if "
+                                           "resumed with more steps"), err
 
 
 def test_a_config_that_is_not_utf8_is_refused_naming_its_line(capsys, tmp_path):

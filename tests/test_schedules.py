@@ -207,7 +207,8 @@ def assert_same_run(a, b, rel=1e-5, norm_rel=1e-4):
         assert sorted(first) == sorted(second)
         for step in first:
             for key, tolerance in keys.items():
-                assert second[step][key] == pytest.approx(first[step][key], rel=tolerance), (kind, step, key)
+                # a skipped update's norm is NaN in both
+                assert second[step][key] == pytest.approx(first[step][key], rel=tolerance, nan_ok=True), (kind, step, key)
 
 
 @pytest.fixture(scope="module")

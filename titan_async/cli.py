@@ -170,6 +170,7 @@ def _train(args) -> int:
             overwritten = claim(directory, args.overwrite)
             runs.save_launch(directory, render_toml(run), nproc)
             print(f"run directory: {directory}", flush=True)
+            _warn_of_settings(run)
             if overwritten:
                 print(f"the run it held is kept in {overwritten} until this run writes an intact checkpoint", flush=True)
         return _launch(directory, nproc, args.verbose, run, args.max_restarts)
@@ -198,6 +199,7 @@ def _resume(args) -> int:
             resumes.stage(args.run_dir, render_toml(run), nproc, args.set)
             runs.clear_stop(args.run_dir)
             print(f"resuming {args.run_dir} from {checkpoint.name}: {plan}", flush=True)
+            _warn_of_settings(run)
         return _launch(args.run_dir, nproc, args.verbose, run, args.max_restarts)
 
 
@@ -280,6 +282,15 @@ def _coordinator_lock(directory: Path):
     if process.is_coordinator() and not process.restart_count():
         return run_dir_lock(directory)
     return nullcontext()
+
+
+def _warn_of_settings(run) -> None:
+    """Warn of settings that are valid but likely not meant."""
+    from titan_async.pipeline.config import synchronous_throughout
+
+    warning = synchronous_throughout(run.training)
+    if warning:
+        _warning(warning)
 
 
 def _warning(message: str) -> None:
@@ -433,6 +444,7 @@ def _config_show(args) -> int:
 
     run = load_run_config(_config_path(args.config), args.set)
     run.check(process.world_size(args.nproc_per_node or run.implied_world_size()))
+    _warn_of_settings(run)
     text = render_toml(run)
     Console().print(Syntax(text, "toml", theme="ansi_dark")) if sys.stdout.isatty() else print(text, end="")
     return 0

@@ -78,6 +78,15 @@ def accumulation_steps(training: TrainingConfig, data_parallel: int) -> int:
     return max(1, training.global_batch_size // (training.local_batch_size * data_parallel))
 
 
+def synchronous_throughout(training: DelayTraining) -> str | None:
+    """A warning when Sync Start covers every step of the run: it streams only once resumed with
+    more steps (a run trained in parts), which a whole run set up so by mistake never does."""
+    if training.sync_start_steps and training.sync_start_steps >= training.steps:
+        return (f"training.sync_start_steps = {training.sync_start_steps} covers every step of training.steps = "
+                f"{training.steps}: this run is synchronous throughout, and streams only if resumed with more steps")
+    return None
+
+
 def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism, data_parallel: int, microbatches: int) -> str | None:
     """Why this schedule/delay combination cannot run, naming the keys; None if it can.
 
@@ -97,10 +106,6 @@ def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism, da
         return (f"training.sync_start_steps = {training.sync_start_steps} trains the first steps synchronously before a "
                 f"streaming schedule (PipeDream2BW, PACI) or training.gradient_delay = 1; {key} is synchronous throughout: "
                 "set training.sync_start_steps = 0, or pick a streaming schedule")
-    if training.sync_start_steps >= training.steps:
-        return (f"training.sync_start_steps = {training.sync_start_steps} leaves no step of training.steps = "
-                f"{training.steps} to the streaming schedule (every step would be synchronous): "
-                "set it below training.steps, or 0 for none")
     if training.weight_prediction and schedule is None and not training.gradient_delay:
         return (f"training.weight_prediction = {training.weight_prediction:g} predicts the weights a delayed gradient meets; "
                 f"{key} has no delay: use PipeDream2BW or PACI (or training.gradient_delay = 1), "

@@ -63,9 +63,9 @@ def rank_memory(ranks: list[tuple[int, int]], local_world: int, cpu: bool) -> li
         total, source = node_ram()
         return [RankMemory(r, lr, total // local_world, f"{source} over {local_world} local rank{'s' * (local_world != 1)}")
                 for r, lr in ranks]
-    override = override()
-    if override is not None:
-        return [RankMemory(r, lr, override, f"{gib(override)} GiB free on its GPU by {AVAILABLE_ENV}") for r, lr in ranks]
+    given = override()
+    if given is not None:
+        return [RankMemory(r, lr, given, f"{gib(given)} GiB free on its GPU by {AVAILABLE_ENV}") for r, lr in ranks]
     found = []
     for rank, local in ranks:
         free = _gpu_free(local)
