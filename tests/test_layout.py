@@ -1,7 +1,8 @@
 """The package layout the README's code map describes, read from the source with `ast`:
 no import cycles (lazy imports inside functions count), a root of the CLI and subpackages
 only, ground floors (`core/`, `rundir/`) that import nothing above them, commands that import
-no other command, and tools/ holding scripts only."""
+no other command, a cluster model below the process layer and the commands, and tools/ holding
+scripts only."""
 
 from __future__ import annotations
 
@@ -110,3 +111,16 @@ def test_tools_hold_scripts_only():
         assert "__main__" in script.read_text(), f"{script} is not a script"
         imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
         assert not imported & siblings, f"{script} imports another tool; shared code belongs in titan_async.experiments"
+
+
+def test_the_cluster_model_lies_below_the_process_layer_and_the_commands():
+    """`cluster/` (memory estimate, fits, simulation costs, the advisor's search), which `plan`
+    renders and the launcher's checks use, imports neither `run/` nor any command; and the
+    process layer (`run/`) reaches no command for it."""
+    assert {"titan_async.cluster.estimate", "titan_async.cluster.fits", "titan_async.cluster.simulate"} <= GRAPH.keys()
+    above = sorted((name, imported) for name in GRAPH if package_of(name) == "cluster"
+                   for imported in GRAPH[name] if package_of(imported) in ("run", "commands"))
+    assert not above, above
+    commands = sorted((name, imported) for name in GRAPH if package_of(name) == "run"
+                      for imported in GRAPH[name] if package_of(imported) == "commands")
+    assert not commands, commands

@@ -13,7 +13,7 @@ import sys
 from conftest import CONFIGS, REPO, TINY, cli_in_process, fresh_environment, metrics, run_cli, sets
 
 from titan_async.commands.plan.command import make_plan
-from titan_async.commands.plan.estimate import Cluster
+from titan_async.cluster.estimate import Cluster
 from titan_async.config.run_config import load_run_config
 
 GIB = 2**30

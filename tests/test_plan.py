@@ -15,7 +15,7 @@ from torchtitan.distributed.activation_checkpoint import FullAC
 from conftest import CONFIGS, REPO, cli_in_process, fresh_environment, sets
 from titan_async.config.run_config import build_run_config, load_run_config
 from titan_async.model.meta import build_meta_model
-from titan_async.commands.plan.memory import (
+from titan_async.cluster.memory import (
     MuonMatrix,
     Setup,
     StageShape,
@@ -26,7 +26,7 @@ from titan_async.commands.plan.memory import (
     held_microbatches,
     muon_step_bytes,
 )
-from titan_async.commands.plan.cluster import parse_size
+from titan_async.cluster.cluster import parse_size
 from titan_async.optim.error_feedback import ErrorFeedback
 from titan_async.optim.muon import Muon
 from titan_async.optim.routing import route_parameters

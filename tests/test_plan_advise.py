@@ -9,7 +9,7 @@ import json
 import pytest
 
 from conftest import CONFIGS, cli_in_process
-from titan_async.commands.plan.simulate import SimulationOptions
+from titan_async.cluster.simulate import SimulationOptions
 
 CONFIG = str(CONFIGS / "debug_cpu_pp2.toml")
 

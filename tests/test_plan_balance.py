@@ -10,7 +10,7 @@ import random
 import pytest
 
 from conftest import CONFIGS, cli_in_process
-from titan_async.commands.plan.balance import contiguous_partition
+from titan_async.cluster.balance import contiguous_partition
 
 CONFIG = str(CONFIGS / "10b_2bw_muon.toml")
 CLUSTER = ("--nodes", "8", "--gpus-per-node", "8")

@@ -11,7 +11,7 @@ import torch
 
 from conftest import CONFIGS, cli_in_process, sets
 from test_plan import saved_block_bytes
-from titan_async.commands.plan.memory import Setup, block_activation_bytes, expert_weight_copy_bytes
+from titan_async.cluster.memory import Setup, block_activation_bytes, expert_weight_copy_bytes
 from titan_async.config.run_config import build_run_config
 from titan_async.model.meta import build_meta_model
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from conftest import CONFIGS, cli_in_process
 
-from titan_async.commands.plan.estimate import Cluster, estimate
-from titan_async.commands.plan.memory import held_microbatches
+from titan_async.cluster.estimate import Cluster, estimate
+from titan_async.cluster.memory import held_microbatches
 from titan_async.commands.plan.render import _plain, _simulation_table
-from titan_async.commands.plan.simulate import SimulationOptions, rank_costs
+from titan_async.cluster.simulate import SimulationOptions, rank_costs
 from titan_async.config.run_config import load_run_config
 from titan_async.optim.muon_cost import stage_costs
 from titan_async.optim.routing import route_parameters

@@ -69,7 +69,7 @@ def test_two_agents_train_pp2_x_fsdp2_through_c10d_rendezvous(tmp_path):
     assert (run_dir / "checkpoint" / f"step-{STEPS}" / ".metadata").is_file()
 
     counted = collections.Counter(calls.read_text().splitlines())
-    assert counted == {"0 titan_async.commands.plan.fits.check_fits": 1, "2 titan_async.commands.plan.fits.check_fits": 1,
+    assert counted == {"0 titan_async.cluster.fits.check_fits": 1, "2 titan_async.cluster.fits.check_fits": 1,
                        "0 titan_async.config.assemble.trainer_config": 2, "2 titan_async.config.assemble.trainer_config": 2,
                        "1 titan_async.config.assemble.trainer_config": 1, "3 titan_async.config.assemble.trainer_config": 1,
                        "0 titan_async.rundir.checkpoints.resume_point": 1}, counted  # the worker of rank 0 picks the checkpoint
@@ -89,7 +89,7 @@ def test_local_rank_0s_failed_check_is_every_workers_one_line(tmp_path):
     said = [line for line in result.stderr.splitlines() if line.startswith("titan-async: ")]
     assert result.returncode != 0 and len(said) == 2 and said[0] == said[1], result.stderr[-3000:]
     assert "needs about" in said[0] and "or start anyway with --skip-memory-check" in said[0]
-    assert calls.read_text().splitlines() == ["0 titan_async.config.assemble.trainer_config", "0 titan_async.commands.plan.fits.check_fits"]
+    assert calls.read_text().splitlines() == ["0 titan_async.config.assemble.trainer_config", "0 titan_async.cluster.fits.check_fits"]
     assert not (tmp_path / "run").exists()
 
 
@@ -110,4 +110,4 @@ def test_resume_checks_once_per_node(tmp_path):
     assert result.returncode != 0 and len(said) == 2 and said[0] == said[1] and "needs about" in said[0], result.stderr[-3000:]
     assert calls.read_text().splitlines() == ["0 titan_async.rundir.checkpoints.resume_point",
                                               "0 titan_async.config.assemble.trainer_config",
-                                              "0 titan_async.commands.plan.fits.check_fits"]
+                                              "0 titan_async.cluster.fits.check_fits"]

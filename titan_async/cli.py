@@ -208,7 +208,7 @@ def _check_resume(args, saved, run, nproc: int) -> tuple[tuple[int, Path], str]:
     checkpoint it resumes from (the latest intact one, by the cheap checks), the new values
     against what the checkpoints hold, the config at the job's world size, and plan's memory
     estimate; returns ((step, checkpoint), what the resume will do)."""
-    from titan_async.commands.plan.fits import check_launch
+    from titan_async.run.memory_check import check_launch
     from titan_async.config.assemble import check_resumable, trainer_config
     from titan_async.run import process
     from titan_async.rundir import directory as runs
@@ -254,7 +254,7 @@ def _check_new_run(run, directory: Path, nproc: int, skip_memory_check: bool) ->
     _check_eval_device(run, nproc)
     if process.restart_count():
         return
-    from titan_async.commands.plan.fits import check_launch
+    from titan_async.run.memory_check import check_launch
     from titan_async.config.assemble import trainer_config  # after the config checks: it imports the data and trainer stack
 
     trainer_config(run, directory, process.world_size(nproc))
@@ -394,7 +394,7 @@ def _gpu_counts(text: str) -> list[int]:
 def _check_plan_arguments(args) -> None:
     """plan's arguments that need no config: the flags that apply only with others, and the
     cluster (parsed into `args.cluster`)."""
-    from titan_async.commands.plan.cluster import Cluster
+    from titan_async.cluster.cluster import Cluster
 
     args.cluster = Cluster.parse(args.nodes, args.gpus_per_node, args.gpu_memory)
     for flag, value in (("--costs-from", args.costs_from), ("--gantt", args.gantt), ("--balance", args.balance or None),
@@ -423,7 +423,7 @@ def _plan(args) -> int:
 
     simulation = None
     if args.simulate:
-        from titan_async.commands.plan.simulate import SimulationOptions
+        from titan_async.cluster.simulate import SimulationOptions
 
         simulation = SimulationOptions(args.mfu, args.peak_tflops, args.intra_node_gbps, args.inter_node_gbps,
                                        args.costs_from, args.gantt)

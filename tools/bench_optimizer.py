@@ -49,7 +49,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torchtitan.config import TORCH_DTYPE_MAP  # noqa: E402
 
-from titan_async.commands.plan.estimate import Cluster, make_layout  # noqa: E402
+from titan_async.cluster.estimate import Cluster, make_layout  # noqa: E402
 from titan_async.config.assemble import resolve_vocab_size  # noqa: E402
 from titan_async.config.run_config import load_run_config  # noqa: E402
 from titan_async.experiments.accuracy import relative_difference  # noqa: E402

@@ -136,7 +136,7 @@ def train_measured(run, nproc: int, run_dir: Path) -> dict[int, int]:
 def predicted(run, nproc: int) -> list[dict]:
     """`plan`'s rows for `run` on `nproc` CPU processes of one node."""
     from titan_async.commands.plan.command import make_plan
-    from titan_async.commands.plan.estimate import Cluster
+    from titan_async.cluster.estimate import Cluster
 
     return make_plan(run, Cluster.parse(1, nproc, "80GiB"), gpu=False)["ranks"]
 

@@ -10,7 +10,7 @@ import os
 import sys
 
 COUNTED = {
-    "titan_async.commands.plan.fits": ("check_fits",),  # plan's memory estimate of the launch check
+    "titan_async.cluster.fits": ("check_fits",),  # plan's memory estimate of the launch check
     "titan_async.config.assemble": ("trainer_config",),  # the trainer config: a launch check, and each worker's build
     "titan_async.rundir.checkpoints": ("resume_point",),  # resume's scan of the checkpoints (metadata reads)
 }

@@ -4,5 +4,5 @@ FSDP2's all-gather and reduce-scatter bytes counted where they are issued (`fsdp
 
 A new parallel layout of the streaming stages (replicas, tensor or expert parallelism) goes
 here as one module that wraps a stage; `pipeline/config.py` says which layouts a schedule
-accepts, and `commands/plan/` estimates their memory and traffic.
+accepts, and `cluster/` estimates their memory and traffic.
 """

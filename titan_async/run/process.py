@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 MEMORY_CHECKED_ENV = "TITAN_ASYNC_MEMORY_CHECKED"
-"""Set once a launcher has checked its workers' memory (`titan_async.commands.plan.fits`), or
+"""Set once a launcher has checked its workers' memory (`titan_async.cluster.fits`), or
 was told not to: the workers it starts, which inherit it, do not check again."""
 
 

@@ -112,7 +112,7 @@ def train(run_dir: Path, verbose: bool = False, run=None) -> int:
     datasets.disable_progress_bars()
     import torch.distributed as dist
 
-    from titan_async.commands.plan.fits import check_launch
+    from titan_async.run.memory_check import check_launch
     from titan_async.config.assemble import trainer_config
     from titan_async.pipeline.config import prepare_split_backward
 

@@ -2,13 +2,15 @@
 
 Needs no GPU, data or tokenizer. The model is built on the meta device with the config's
 vocabulary size and split into pipeline stages as torchtitan's pipeline builder splits it;
-each pipeline rank's memory is estimated (`estimate`, from the arithmetic in `memory`). A dry
+each pipeline rank's memory is estimated by the cluster model (`titan_async.cluster`: `estimate`,
+from the arithmetic in `memory`), which plan renders. A dry
 run (`dry_run`) then sets up the real world size with torch's fake process group (what
 torchtitan's `comm.mode = "fake_backend"` uses), one inspected rank at a time, and builds that
 rank's stage, FSDP2 wrapping, optimizer state and weight versions on the meta device, and its
 action list; the bytes those meta tensors stand for are compared with the estimate. `command`
-puts both into one JSON-ready plan, which `render` prints; with `--simulate`, `simulate` adds
-each schedule's simulated step time, tokens/s and bubble (`titan_async.pipeline.simulation`).
+puts both into one JSON-ready plan, which `render` prints; with `--simulate`, the cluster model's
+`simulate` adds each schedule's simulated step time, tokens/s and bubble
+(`titan_async.pipeline.simulation`), and with `--gpu-counts` its `advise` ranks them.
 
 The layout is the one `train` would build (`titan_async.config.assemble`): FSDP2 wraps
 every stage except the streaming schedules' stages without data parallelism; replicas

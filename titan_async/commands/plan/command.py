@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from titan_async.commands.plan.advise import advise, draw
+from titan_async.cluster.advise import advise, draw
 from titan_async.commands.plan.dry_run import ESTIMATE_ONLY_NOTE, NOT_BUILT_NOTE, dry_run
-from titan_async.commands.plan.estimate import (
+from titan_async.cluster.estimate import (
     Cluster,
     check_world_size,
     communication,
@@ -19,11 +19,11 @@ from titan_async.commands.plan.estimate import (
     estimate_model,
     mixture_of_experts,
 )
-from titan_async.commands.plan.memory import compare_schedules, gib
-from titan_async.commands.plan.balance import balanced_split, gains, with_split
+from titan_async.cluster.memory import compare_schedules, gib
+from titan_async.cluster.balance import balanced_split, gains, with_split
 from titan_async.commands.plan.render import advice_text, print_plan
-from titan_async.commands.plan.schedule_memory import schedule_memory
-from titan_async.commands.plan.simulate import SimulationOptions, simulate_plan
+from titan_async.cluster.schedule_memory import schedule_memory
+from titan_async.cluster.simulate import SimulationOptions, simulate_plan
 from titan_async.config.assemble import plain_parameters, resolve_vocab_size
 from titan_async.config.run_config import RunConfig
 from titan_async.core.errors import UserError

@@ -21,8 +21,8 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.utils import init_fake_mode, set_spmd_backend
 from torchtitan.tools.utils import device_type
 
-from titan_async.commands.plan.estimate import Layout
-from titan_async.commands.plan.memory import STATE_COMPONENTS
+from titan_async.cluster.estimate import Layout
+from titan_async.cluster.memory import STATE_COMPONENTS
 from titan_async.config.assemble import ACTIVATION_CHECKPOINTS
 from titan_async.config.run_config import RunConfig
 from titan_async.model.init import reinitialize_by_name

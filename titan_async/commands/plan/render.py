@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from titan_async.commands.plan.memory import STATE_COMPONENTS, TRANSPORT_COMPONENTS, gib
+from titan_async.cluster.memory import STATE_COMPONENTS, TRANSPORT_COMPONENTS, gib
 from titan_async.pipeline.config import sync_start_text
 
 TIGHT = 0.9
@@ -119,7 +119,7 @@ def _communication_table(plan: dict[str, Any]) -> Table:
     baseline = next(total(r) for r in rows if r["name"] == "1F1B")
     return Table(
         "FSDP, replica and TP communication per step, busiest rank (GB; steady state, the tensor bytes each collective "
-        "takes, titan_async.commands.plan.memory.fsdp_traffic_bytes and tp_traffic_bytes)",
+        "takes, titan_async.cluster.memory.fsdp_traffic_bytes and tp_traffic_bytes)",
         ["schedule", *columns, "total", "vs 1F1B", ""],
         [[r["name"], *(f"{r['busiest'][key] / 1e9:.2f}" for key in keys),
           f"{total(r) / 1e9:.2f}", f"{total(r) / baseline:.2f}x",

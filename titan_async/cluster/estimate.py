@@ -12,7 +12,7 @@ import torch
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.models.common import compute_ffn_hidden_dim
 
-from titan_async.commands.plan.memory import (
+from titan_async.cluster.memory import (
     COMPARED_SCHEDULES,
     MuonMatrix,
     Setup,
@@ -28,7 +28,7 @@ from titan_async.commands.plan.memory import (
     window_microbatches,
     windows_per_step,
 )
-from titan_async.commands.plan.cluster import Cluster
+from titan_async.cluster.cluster import Cluster
 from titan_async.config.assemble import plain_parameters, resolve_vocab_size
 from titan_async.config.run_config import RunConfig
 from titan_async.core.errors import UserError

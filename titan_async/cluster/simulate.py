@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from titan_async.commands.plan.estimate import Cluster, Layout, all_to_all_bytes
-from titan_async.commands.plan.memory import (
+from titan_async.cluster.estimate import Cluster, Layout, all_to_all_bytes
+from titan_async.cluster.memory import (
     Setup,
     StageShape,
     expert_newton_schulz,

@@ -16,8 +16,8 @@ from typing import Any
 
 from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part
 
-from titan_async.commands.plan.estimate import Cluster, Estimate, estimate, stage_shapes
-from titan_async.commands.plan.simulate import SimulationOptions, rank_costs
+from titan_async.cluster.estimate import Cluster, Estimate, estimate, stage_shapes
+from titan_async.cluster.simulate import SimulationOptions, rank_costs
 from titan_async.config.run_config import RunConfig
 
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from titan_async.commands.plan.estimate import Cluster, check_world_size
-from titan_async.commands.plan.schedule_memory import with_schedule
+from titan_async.cluster.estimate import Cluster, check_world_size
+from titan_async.cluster.schedule_memory import with_schedule
 from titan_async.config.run_config import RunConfig
 from titan_async.core.errors import UserError
 from titan_async.pipeline.config import accumulation_steps, check_activation_checkpoint

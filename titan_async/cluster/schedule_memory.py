@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from titan_async.commands.plan.estimate import Cluster, Estimate, estimate_model
+from titan_async.cluster.estimate import Cluster, Estimate, estimate_model
 from titan_async.config.run_config import RunConfig
 from titan_async.core.errors import UserError
 

@@ -1,6 +1,6 @@
 """Will a run fit the memory its ranks have? `train` and `resume` ask before they launch, and a
-worker that an external torchrun started without them asks before it builds its model; under an
-external launcher local rank 0 asks for its node's workers.
+worker that an external torchrun started without them asks before it builds its model
+(`titan_async.run.memory_check`); under an external launcher local rank 0 asks for its node's workers.
 
 Each rank's need is `plan`'s peak estimate for its pipeline rank (`estimate.estimate`, from the
 config and a meta-device model: nothing is allocated). What a rank has: on a CPU, the RAM
@@ -24,12 +24,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from titan_async.commands.plan.estimate import Cluster, estimate
+from titan_async.cluster.estimate import Cluster, estimate
 from titan_async.config.run_config import RunConfig
-from titan_async.core import platform
 from titan_async.core.errors import UserError
 from titan_async.core.node_memory import AVAILABLE_ENV, gib, node_ram, override
-from titan_async.run import process
 
 SKIP_FLAG = "--skip-memory-check"
 
@@ -183,13 +181,3 @@ def check_fits(run: RunConfig, world_size: int, nproc: int, external: bool, cpu:
         f"{run.source}: rank {have.rank} needs about {gib(need)} GiB at its peak (titan-async plan's estimate), "
         f"but has {gib(have.available)} GiB ({have.source}){lower}; or start anyway with {SKIP_FLAG}"
     )
-
-
-def check_launch(run: RunConfig, nproc: int, skip: bool = False) -> None:
-    """The check of `train` and `resume` before they launch `nproc` local workers (under an
-    external launcher: this worker), and of a worker no launcher checked (`process.MEMORY_CHECKED_ENV` unset).
-    Not after a restart by torch's elastic agent: the run started once, and its failed
-    workers' memory may not be free yet. Marks the workers this process starts as checked."""
-    if not skip and not process.restart_count():
-        check_fits(run, process.world_size(nproc), nproc, process.launched_externally(), platform.is_cpu())
-    os.environ[process.MEMORY_CHECKED_ENV] = "1"
