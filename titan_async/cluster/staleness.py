@@ -1,0 +1,115 @@
+"""What the one-step delay (PipeDream-2BW, PACI) costs a run in tokens: the staleness law fitted by
+tools/staleness_scaling.py to its studies (docs/results/staleness_scaling), evaluated for a run.
+
+Token efficiency eta: the synchronous run reaches the delayed run's final loss with eta x the
+tokens, so the delayed run needs about 1 / eta times the synchronous run's tokens to reach the
+synchronous run's final loss, and its time to that loss is its step time x 1 / eta. The law:
+
+    ln(1 / eta) = c[optimizer, corrector] x (steps / 1000) ** -steps_exponent
+                                          x (parameters / 1e6) ** -parameters_exponent
+
+with its range the fit's largest residual factor either way (`Law.residual_factor`). The loss
+gap at equal tokens follows from the synchronous loss's slope in log tokens, s = -dL/d ln D:
+gap = s x ln(1 / eta). The study's own slope is that of its tiny models and data set; for a run
+the slope is Chinchilla's (Hoffmann et al. 2022, L = E + A / N^alpha + B / D^beta, so
+s = beta x B x D^-beta), stated as such wherever a gap is shown.
+
+A PACI microbatch crosses at most one update of its stage (`a >= p - 1`, docs/schedules.md), so
+the delay-1 law bounds PACI's cost from above.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+LAW_FILE = Path(__file__).with_name("staleness_law.json")
+CORRECTORS = ("none", "ef", "predict")
+"""The delayed run's correction: none, error feedback (`optimizer.error_feedback.enabled`), or
+weight prediction (`training.weight_prediction`)."""
+CHINCHILLA = {"B": 410.7, "beta": 0.28}
+"""Hoffmann et al. 2022, approach 3: the data term of the loss, B / D^beta."""
+
+
+@dataclass(frozen=True)
+class Law:
+    """The fitted law (LAW_FILE): `coefficients` by "optimizer+corrector" ("muon+none", ...),
+    its two exponents, `residual_factor` >= 1 (the largest factor between a fitted point's
+    ln(1 / eta) and the law's), and the `steps` and `parameters` ranges it was fitted on."""
+
+    coefficients: dict[str, float]
+    steps_exponent: float
+    parameters_exponent: float
+    residual_factor: float
+    steps: tuple[int, int]
+    parameters: tuple[int, int]
+    source: str
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Law:
+        return cls(dict(data["coefficients"]), data["steps_exponent"], data["parameters_exponent"], data["residual_factor"],
+                   tuple(data["steps"]), tuple(data["parameters"]), data["source"])
+
+    def log_inefficiency(self, optimizer: str, corrector: str, steps: int, parameters: int) -> float:
+        """ln(1 / eta) at these steps and parameters; KeyError for an optimizer or corrector the
+        studies did not train."""
+        return (self.coefficients[f"{optimizer}+{corrector}"] * (steps / 1000) ** -self.steps_exponent
+                * (parameters / 1e6) ** -self.parameters_exponent)
+
+
+@cache
+def law() -> Law:
+    """The law shipped with the package (LAW_FILE)."""
+    return Law.from_json(json.loads(LAW_FILE.read_text()))
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The delay's predicted cost for one run and corrector: token efficiency with its range
+    (low <= efficiency <= high), and what the prediction extrapolates beyond the studies."""
+
+    efficiency: float
+    low: float
+    high: float
+    extrapolated: tuple[str, ...]
+
+    @property
+    def tokens_factor(self) -> float:
+        """Tokens (and time) the delayed run needs to reach the synchronous run's final loss, as a
+        multiple of the synchronous run's."""
+        return 1 / self.efficiency
+
+
+def estimate(optimizer: str, corrector: str, steps: int, parameters: int, fitted: Law | None = None) -> Estimate:
+    """The delay-1 token efficiency of `optimizer` (adamw, muon) with `corrector` (CORRECTORS)
+    after `steps` optimizer steps of a `parameters`-parameter model. Raises KeyError for an
+    optimizer or corrector the studies did not train."""
+    fitted = fitted or law()
+    y = fitted.log_inefficiency(optimizer, corrector, steps, parameters)
+    notes = []
+    for what, value, (low, high) in (("steps", steps, fitted.steps), ("parameters", parameters, fitted.parameters)):
+        if not low <= value <= high:
+            notes.append(f"{what} {value:,} lie outside the studies' {low:,}..{high:,} "
+                         f"({max(value / high, low / value):,.0f}x beyond)")
+    f = fitted.residual_factor
+    return Estimate(math.exp(-y), math.exp(-y * f), math.exp(-y / f), tuple(notes))
+
+
+def corrector_of(error_feedback: bool, weight_prediction: float) -> str:
+    """The CORRECTORS name of a run's settings (error feedback wins when both are on: the studies
+    trained neither together)."""
+    return "ef" if error_feedback else "predict" if weight_prediction else "none"
+
+
+def chinchilla_slope(tokens: float) -> float:
+    """-dL / d ln D of Chinchilla's loss at `tokens` (CHINCHILLA): beta x B x D^-beta."""
+    return CHINCHILLA["beta"] * CHINCHILLA["B"] * tokens ** -CHINCHILLA["beta"]
+
+
+def gap(efficiency: float, tokens: float) -> float:
+    """The loss gap at equal tokens that `efficiency` means on Chinchilla's loss curve at `tokens`."""
+    return chinchilla_slope(tokens) * -math.log(efficiency)
