@@ -123,6 +123,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-counts", type=_gpu_counts, metavar="N,N,...",
                       help="--simulate: every schedule at each GPU count for the config's global batch (on --nodes x --gpus-per-node)")
     plan.add_argument("--advice-png", type=Path, metavar="PNG", help="--gpu-counts: draw tokens/s against GPUs")
+    plan.add_argument("--staleness", action="store_true",
+                      help="the one-step delay's predicted cost for the config: token efficiency and loss gap per corrector")
     plan.add_argument("--balance", action="store_true",
                       help="--simulate: the stage split that evens out the ranks' simulated work, and every schedule's gain with it")
 
@@ -403,6 +405,8 @@ def _check_plan_arguments(args) -> None:
             raise UserError(f"{flag}: applies only with --simulate")
     if args.advice_png is not None and args.gpu_counts is None:
         raise UserError("--advice-png: applies only with --gpu-counts")
+    if args.staleness and args.gpu_counts is not None:
+        raise UserError("--staleness: applies only without --gpu-counts (the advisor already weighs each schedule by the delay's cost)")
 
 
 def _check_train_arguments(args) -> None:
@@ -432,7 +436,7 @@ def _plan(args) -> int:
         from titan_async.commands.plan.command import run_advice
 
         return run_advice(run, args.cluster, simulation, args.gpu_counts, args.json, args.advice_png)
-    return run_plan(run, args.cluster, args.strict, args.json, simulation, args.balance)
+    return run_plan(run, args.cluster, args.strict, args.json, simulation, args.balance, args.staleness)
 
 
 def _config_show(args) -> int:

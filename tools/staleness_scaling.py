@@ -34,7 +34,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 from staleness_study import Arm, Regime, Settings, best_lr, job, load_curves
+from titan_async.cluster import staleness
+from titan_async.cluster.staleness import LAW_FILE, Law
 from titan_async.experiments.jobs import ROOT, git_state, run_job
 
 OUT = ROOT / "docs" / "results" / "staleness_scaling"
@@ -281,6 +284,302 @@ def dry_run(cells: list[Cell]) -> str:
     return "\n".join(lines)
 
 
+# --- analysis: token efficiency, the law, its checks ---
+
+PAPER_POINTS = (
+    # (label, optimizer, corrector, parameters, tokens, (steps low, steps high), gap at equal tokens)
+    ("360M dense, Muon", "muon", "none", 360e6, 7.2e9, (20_000, 40_000), 0.012),
+    ("360M dense, Muon + EF", "muon", "ef", 360e6, 7.2e9, (20_000, 40_000), 0.005),
+    ("360M dense, AdamW", "adamw", "none", 360e6, 7.2e9, (20_000, 40_000), 0.278),
+    ("360M dense, AdamW + EF", "adamw", "ef", 360e6, 7.2e9, (20_000, 40_000), 0.028),
+    ("10B MoE, Muon", "muon", "none", 10e9, 200e9, (25_000, 100_000), 0.005),
+)
+"""arXiv 2606.30634's points (docs/results.md): 20 tokens per parameter at 180K-360K tokens per
+step for the 360M; the 10B MoE's batch is not reported, so 2M-8M tokens per step (25K-100K
+steps) are assumed. Their gaps become token efficiencies on Chinchilla's slope at their tokens
+(`staleness.gap`), as the law's predictions become gaps."""
+
+
+@dataclass(frozen=True)
+class Point:
+    """One cell's measured delay cost for an optimizer and corrector: the gap per seed (final
+    validation loss of the delayed run minus the synchronous run's at the same seed), the slope
+    of the synchronous final loss in log tokens (`slope`, from the budget runs), and ln(1 / eta)
+    = gap / slope per seed."""
+
+    cell: Cell
+    optimizer: str
+    corrector: str
+    gaps: dict[int, float]
+    slope: float
+    steps: int
+
+    @property
+    def log_inefficiencies(self) -> dict[int, float]:
+        return {seed: gap / self.slope for seed, gap in self.gaps.items()}
+
+    @property
+    def mean(self) -> float:
+        values = list(self.log_inefficiencies.values())
+        return sum(values) / len(values)
+
+    @property
+    def efficiency(self) -> float:
+        return math.exp(-self.mean)
+
+
+def corrector_arm(optimizer: str, corrector: str, seed: int = 0) -> Arm:
+    return Arm(optimizer, 1, corrector == "ef", seed, "predict" if corrector == "predict" else "")
+
+
+def final(record: dict[str, dict], cell: Cell, name: str) -> float | None:
+    entry = record.get(f"{cell.name}/{name}")
+    return entry["validation"][-1][1] if entry else None
+
+
+def sync_final(record: dict[str, dict], cell: Cell, optimizer: str, seed: int, best: dict[str, float]) -> float | None:
+    """The synchronous run's final loss at `seed` (seed 0: the sweep's run at the best lr)."""
+    found = final(record, cell, Arm(optimizer, 0, False, seed).name)
+    if found is None and seed == 0:
+        found = final(record, cell, Run(cell, Arm(optimizer, 0, False), best[optimizer], sweep=True).name)
+    return found
+
+
+def budget_slope(record: dict[str, dict], cell: Cell, optimizer: str, best: dict[str, float]) -> tuple[float, list[tuple[int, float]]] | None:
+    """-dL / d ln D of the synchronous final loss, least squares over the budget runs and the full
+    run (seed 0), with those (tokens, loss) points; None until they all ran."""
+    points = []
+    for budget in (*BUDGETS, 1.0):
+        run = Run(cell, Arm(optimizer, 0, False), best[optimizer], budget)
+        loss = sync_final(record, cell, optimizer, 0, best) if budget == 1.0 else final(record, cell, run.name)
+        if loss is None:
+            return None
+        settings = run.settings(best)
+        points.append((settings.steps * settings.seq_len * settings.batch, loss))
+    xs = [math.log(t) for t, _ in points]
+    ys = [loss for _, loss in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = -sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return slope, points
+
+
+def measure(record: dict[str, dict], cells: list[Cell]) -> list[Point]:
+    """Every (cell, optimizer, corrector) whose delayed run, synchronous run (same seed) and
+    budget runs have finished."""
+    found = []
+    for cell in cells:
+        best = best_of(cell, record)
+        if not best:
+            continue
+        for optimizer in ("adamw", "muon"):
+            fitted = budget_slope(record, cell, optimizer, best)
+            if fitted is None:
+                continue
+            for corrector in ("none", "ef", "predict"):
+                gaps = {}
+                for seed in SEEDS_OF_CELL[cell.name]:
+                    delayed = final(record, cell, corrector_arm(optimizer, corrector, seed).name)
+                    synchronous = sync_final(record, cell, optimizer, seed, best)
+                    if delayed is not None and synchronous is not None:
+                        gaps[seed] = delayed - synchronous
+                if gaps:
+                    found.append(Point(cell, optimizer, corrector, gaps, fitted[0], cell.settings(1, 1).steps))
+    return found
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The law fitted to `points` (those with ln(1 / eta) > 0), with `excluded` (why each other
+    point was left out), R^2 in log space and each point's residual factor."""
+
+    law: Law
+    used: list[Point]
+    excluded: list[tuple[Point, str]]
+    r_squared: float
+    residuals: list[float]
+
+
+def fit_law(points: list[Point], source: str) -> Fit:
+    """Least squares of ln(ln(1 / eta)) = ln c[optimizer+corrector] - a ln(steps / 1000) - b
+    ln(parameters / 1e6) over the points with a positive mean ln(1 / eta); an exponent whose
+    regressor takes one value among them is not identified and is fixed at 0."""
+    used = [p for p in points if p.mean > 0]
+    excluded = [(p, f"ln(1/eta) = {p.mean:+.4f}: no measurable cost") for p in points if p.mean <= 0]
+    groups = sorted({f"{p.optimizer}+{p.corrector}" for p in used})
+    columns = [[1.0 if f"{p.optimizer}+{p.corrector}" == g else 0.0 for g in groups] for p in used]
+    regressors = {"steps": [-math.log(p.steps / 1000) for p in used],
+                  "parameters": [-math.log(p.cell.regime.parameters / 1e6) for p in used]}
+    identified = [name for name, values in regressors.items() if len({round(v, 9) for v in values}) > 1]
+    design = np.array([row + [regressors[name][i] for name in identified] for i, row in enumerate(columns)])
+    target = np.array([math.log(p.mean) for p in used])
+    solution, *_ = np.linalg.lstsq(design, target, rcond=None)
+    exponents = {name: 0.0 for name in regressors} | dict(zip(identified, solution[len(groups):]))
+    residuals = list(target - design @ solution)
+    total = float(((target - target.mean()) ** 2).sum())
+    law = Law({g: math.exp(c) for g, c in zip(groups, solution)}, float(exponents["steps"]), float(exponents["parameters"]),
+              math.exp(max(abs(r) for r in residuals)),
+              (min(p.steps for p in used), max(p.steps for p in used)),
+              (min(p.cell.regime.parameters for p in used), max(p.cell.regime.parameters for p in used)), source)
+    return Fit(law, used, excluded, 1 - float(sum(r * r for r in residuals)) / total if total else math.nan, residuals)
+
+
+def write_law(law: Law, path: Path = LAW_FILE) -> None:
+    data = {"coefficients": law.coefficients, "steps_exponent": law.steps_exponent,
+            "parameters_exponent": law.parameters_exponent, "residual_factor": law.residual_factor,
+            "steps": list(law.steps), "parameters": list(law.parameters), "source": law.source}
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def out_of_sample(law: Law) -> list[dict]:
+    """The law against the paper's points (PAPER_POINTS): its predicted efficiency at both ends of
+    the steps range and the paper's, each also as a gap on Chinchilla's slope."""
+    rows = []
+    for label, optimizer, corrector, parameters, tokens, (low, high), paper_gap in PAPER_POINTS:
+        key = f"{optimizer}+{corrector}"
+        if key not in law.coefficients:
+            continue
+        predicted = [staleness.estimate(optimizer, corrector, steps, int(parameters), law).efficiency for steps in (low, high)]
+        paper = math.exp(-paper_gap / staleness.chinchilla_slope(tokens))
+        rows.append({"label": label, "steps": (low, high), "predicted": predicted,
+                     "predicted_gap": [staleness.gap(e, tokens) for e in predicted], "paper": paper, "paper_gap": paper_gap})
+    return rows
+
+
+def _cells_table(record: dict[str, dict]) -> str:
+    lines = ["| cell | parameters | tokens per step | steps | tokens | tokens per parameter | AdamW lr | Muon lr | runs finished |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for cell in CELLS.values():
+        s, best = cell.settings(1, 1), best_of(cell, record)
+        tokens = s.steps * s.seq_len * s.batch
+        lrs = [f"{best[o]:g}" if o in best else "(sweeping)" for o in ("adamw", "muon")]
+        done = sum(key.startswith(f"{cell.name}/") for key in record)
+        lines.append(f"| {cell.name} | {cell.regime.parameters:,} | {s.seq_len * s.batch:,} | {s.steps:,} | {tokens:,} | "
+                     f"{tokens / cell.regime.parameters:.1f} | {lrs[0]} | {lrs[1]} | {done} |")
+    return "\n".join(lines)
+
+
+def _points_table(points: list[Point]) -> str:
+    lines = ["| cell | steps | optimizer | corrector | gap per seed | slope -dL/d ln D | ln(1/eta) | token efficiency eta | tokens to the sync loss |",
+             "|---|---:|---|---|---|---:|---:|---:|---:|"]
+    for p in points:
+        gaps = ", ".join(f"{g:+.4f}" for g in p.gaps.values())
+        lines.append(f"| {p.cell.name} | {p.steps:,} | {p.optimizer} | {p.corrector} | {gaps} | {p.slope:.3f} | "
+                     f"{p.mean:+.4f} | {p.efficiency:.3f} | {1 / p.efficiency:.3f}x |")
+    return "\n".join(lines)
+
+
+def _fit_section(fit: Fit) -> str:
+    law = fit.law
+    lines = ["    ln(1/eta) = c[optimizer+corrector] x (steps/1000)^-a x (parameters/1e6)^-b", "",
+             f"- a (steps exponent) = {law.steps_exponent:.3f}, b (parameters exponent) = {law.parameters_exponent:.3f}"
+             + (" (b not identified: one model size among the fitted points; fixed at 0)" if law.parameters[0] == law.parameters[1] else "")
+             + (" (a not identified: one step count among the fitted points; fixed at 0)" if law.steps[0] == law.steps[1] else ""),
+             "- c: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(law.coefficients.items())),
+             f"- fitted on {len(fit.used)} points (steps {law.steps[0]:,}..{law.steps[1]:,}, parameters "
+             f"{law.parameters[0]:,}..{law.parameters[1]:,}); R^2 in log space {fit.r_squared:.3f}; largest residual factor "
+             f"{law.residual_factor:.2f} (the range `plan --staleness` gives)"]
+    lines += [f"- left out: {p.cell.name} {p.optimizer}+{p.corrector}: {why}" for p, why in fit.excluded]
+    return "\n".join(lines)
+
+
+def _out_of_sample_section(law: Law) -> str:
+    lines = ["| paper point | steps assumed | eta predicted (at those steps) | eta from the paper's gap | gap predicted (Chinchilla slope) | paper's gap |",
+             "|---|---|---|---:|---|---:|"]
+    for row in out_of_sample(law):
+        lines.append(f"| {row['label']} | {row['steps'][0]:,}..{row['steps'][1]:,} | "
+                     f"{row['predicted'][0]:.3f}..{row['predicted'][1]:.3f} | {row['paper']:.3f} | "
+                     f"{row['predicted_gap'][0]:+.4f}..{row['predicted_gap'][1]:+.4f} | {row['paper_gap']:+.3f} |")
+    return "\n".join(lines)
+
+
+def plot(record: dict[str, dict], points: list[Point], fit: Fit | None, path: Path) -> None:
+    """Left: validation curves of each cell's synchronous and delayed runs (seed 0) against tokens;
+    right: ln(1 / eta) against steps, per optimizer and corrector, with the law's lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (curves, law_axes) = plt.subplots(1, 2, figsize=(13, 5))
+    for i, cell in enumerate(CELLS.values()):
+        best = best_of(cell, record)
+        for optimizer, style in (("adamw", "--"), ("muon", "-")):
+            if optimizer not in best:
+                continue
+            for name, width in ((Run(cell, Arm(optimizer, 0, False), best[optimizer], sweep=True).name, 1.6), (Arm(optimizer, 1, False).name, 0.8)):
+                entry = record.get(f"{cell.name}/{name}")
+                if entry and len(entry["validation"]) > 1:
+                    scale = entry["tokens"] / entry["steps"]
+                    curves.plot([s * scale for s, _ in entry["validation"][1:]], [v for _, v in entry["validation"][1:]], style,
+                                color=f"C{i}", lw=width, label=f"{cell.name} {optimizer} {'sync' if width > 1 else 'delay 1'}")
+    curves.set_xscale("log")
+    curves.set_xlabel("tokens")
+    curves.set_ylabel("validation loss")
+    curves.legend(fontsize=6, ncol=2)
+    markers = {"none": "o", "ef": "s", "predict": "^"}
+    for p in points:
+        law_axes.scatter(p.steps, max(p.mean, 1e-4), marker=markers[p.corrector], color="C0" if p.optimizer == "adamw" else "C3",
+                         facecolors="none" if p.cell.regime.parameters > 300_000 else None)
+    if fit is not None:
+        steps = np.geomspace(200, 100_000, 50)
+        for key in fit.law.coefficients:
+            optimizer, corrector = key.split("+")
+            law_axes.plot(steps, [fit.law.log_inefficiency(optimizer, corrector, int(s), 279_104) for s in steps],
+                          ls=":" if corrector != "none" else "-", color="C0" if optimizer == "adamw" else "C3", lw=0.8, label=key)
+    law_axes.set_xscale("log")
+    law_axes.set_yscale("log")
+    law_axes.set_xlabel("optimizer steps (at 20 tokens per parameter)")
+    law_axes.set_ylabel("ln(1 / token efficiency)")
+    law_axes.set_title("markers: o none, s EF, ^ prediction; hollow: 541K; lines: the law at 279K", fontsize=8)
+    law_axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+ANALYSIS_HEADING = "## Analysis"
+
+
+def write_report(record: dict[str, dict], out: Path = OUT) -> Fit | None:
+    """README.md, points.csv and curves.png in `out` from the record; the law (LAW_FILE) once
+    the points span two step counts. Returns the fit, if any. The hand-written part of an
+    existing README from ANALYSIS_HEADING on is kept."""
+    points = measure(record, list(CELLS.values()))
+    fit = fit_law(points, "docs/results/staleness_scaling") if any(p.mean > 0 for p in points) else None
+    if fit is not None and fit.law.steps[0] < fit.law.steps[1]:
+        write_law(fit.law)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "points.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["cell", "parameters", "steps", "optimizer", "corrector", "seed", "gap", "slope", "log_inefficiency"])
+        for p in points:
+            for seed, gap in p.gaps.items():
+                writer.writerow([p.cell.name, p.cell.regime.parameters, p.steps, p.optimizer, p.corrector, seed,
+                                 f"{gap:.5f}", f"{p.slope:.5f}", f"{gap / p.slope:.5f}"])
+    plot(record, points, fit, out / "curves.png")
+    old = (out / "README.md").read_text() if (out / "README.md").is_file() else ""
+    analysis = old[old.index(ANALYSIS_HEADING):] if ANALYSIS_HEADING in old else ""
+    parts = ["# Staleness scaling: what sets the one-step delay's cost", "",
+             "Written by `tools/staleness_scaling.py` from `runs.jsonl` (every finished run's settings and validation "
+             "curve). Token efficiency eta: the synchronous run reaches the delayed run's final loss with eta x its tokens, "
+             "read from the synchronous final losses at 50%, 70% and 100% of the tokens (each run its own full lr schedule): "
+             "ln(1/eta) = gap / slope, the slope -dL/d ln D fitted over those three runs. The delayed run needs about "
+             "1/eta times the tokens to reach the synchronous run's final loss.", "",
+             "## Cells", "", _cells_table(record), "",
+             "## Measured", "", _points_table(points) if points else "(no cell has its budget runs yet)", ""]
+    if fit is not None:
+        parts += ["## The law", "", _fit_section(fit), "", "## Out of sample: the paper's points", "",
+                  "The paper reports gaps; each becomes a token efficiency on Chinchilla's slope at its tokens "
+                  "(`titan_async.cluster.staleness.chinchilla_slope`), and the law's predictions become gaps the same way.", "",
+                  _out_of_sample_section(fit.law), ""]
+    parts += ["## How it was run", "", "    .venv/bin/python tools/staleness_scaling.py --parallel 2", "",
+              "- each run: `titan-async train --config debug_cpu` with the cell's settings (`Cell.settings` and "
+              "`staleness_study.Settings.overrides`); the command, git revision and machine load of each are in `runs.jsonl`",
+              "- runs two at a time on 2 cores shared with other work (`nice -n 19`)", ""]
+    (out / "README.md").write_text("\n".join(parts) + ("\n" + analysis if analysis else ""))
+    return fit
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cells", default=",".join(CELLS), help=f"cells in order of priority (of {', '.join(CELLS)})")
@@ -303,6 +602,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.report_only:
         run_study(args.cells, args.parallel)
+    write_report(load_record())
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from titan_async.cluster.estimate import (
 from titan_async.cluster.memory import compare_schedules, gib
 from titan_async.cluster.balance import balanced_split, gains, with_split
 from titan_async.commands.plan.render import advice_text, print_plan
+from titan_async.commands.plan.staleness import staleness_report, staleness_text
 from titan_async.cluster.schedule_memory import schedule_memory
 from titan_async.cluster.simulate import SimulationOptions, simulate_plan
 from titan_async.config.assemble import plain_parameters, resolve_vocab_size
@@ -138,16 +139,20 @@ def _check_mixture_of_experts(run: RunConfig) -> None:
 
 
 def run_plan(run: RunConfig, cluster: Cluster, strict: bool, as_json: bool, simulation: SimulationOptions | None = None,
-             balance: bool = False) -> int:
+             balance: bool = False, staleness: bool = False) -> int:
     """Print the plan (with `simulation`, the simulated schedules too; with `balance`, the
-    balanced split and every schedule simulated with it); 1 if `strict` and some rank does not
-    fit, else 0. Warnings go to stderr."""
+    balanced split and every schedule simulated with it; with `staleness`, the delay's predicted
+    cost); 1 if `strict` and some rank does not fit, else 0. Warnings go to stderr."""
     plan = make_plan(run, cluster, simulation=simulation)
     if balance:
         split = balanced_split(run, cluster, simulation)
         balanced = make_plan(with_split(run, split["module_fqns_per_model_part"]), cluster, simulation=simulation)
         plan["balance"] = {**split, "schedules": gains(plan["simulation"], balanced["simulation"])}
+    if staleness:
+        plan["staleness"] = staleness_report(run, plan["model"]["parameters"], plan["layout"]["tokens_per_step"])
     print_plan(plan, as_json)
+    if staleness and not as_json:
+        print(staleness_text(plan["staleness"]))
     for warning in plan["warnings"]:
         print(f"titan-async: warning: {warning}", file=sys.stderr)
     return 1 if strict and not plan["fits"] else 0

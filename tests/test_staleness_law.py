@@ -1,0 +1,183 @@
+"""The delay's cost model: the staleness law (titan_async/cluster/staleness.py), the scaling study
+that fits it (tools/staleness_scaling.py) on synthetic records, and `plan --staleness`."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from dataclasses import replace
+
+import pytest
+
+from conftest import CONFIGS, REPO, cli_in_process
+from titan_async.cluster import staleness
+from titan_async.cluster.staleness import Law
+from titan_async.commands.plan.staleness import staleness_report
+from titan_async.config.run_config import load_run_config
+
+sys.path.insert(0, str(REPO / "tools"))
+_SPEC = importlib.util.spec_from_file_location("staleness_scaling", REPO / "tools" / "staleness_scaling.py")
+scaling = importlib.util.module_from_spec(_SPEC)
+sys.modules["staleness_scaling"] = scaling
+_SPEC.loader.exec_module(scaling)
+
+LAW = Law({"muon+none": 0.2, "muon+ef": 0.05, "muon+predict": 0.1, "adamw+none": 0.8, "adamw+ef": 0.2, "adamw+predict": 0.2},
+          0.5, 0.25, 2.0, (500, 8000), (100_000, 1_000_000), "test")
+
+
+def test_the_law_evaluates_its_power_law_with_its_residual_range_and_names_what_it_extrapolates():
+    # 0.2 x (4000 / 1000)^-0.5 x (16e6 / 1e6)^-0.25 = 0.2 x 0.5 x 0.5 = 0.05
+    found = staleness.estimate("muon", "none", 4000, 16_000_000, LAW)
+    assert found.efficiency == pytest.approx(math.exp(-0.05))
+    assert (found.low, found.high) == (pytest.approx(math.exp(-0.1)), pytest.approx(math.exp(-0.025)))
+    assert found.tokens_factor == pytest.approx(math.exp(0.05))
+    assert found.extrapolated == ("parameters 16,000,000 lie outside the studies' 100,000..1,000,000 (16x beyond)",)
+    assert staleness.estimate("adamw", "ef", 1000, 1_000_000, LAW).extrapolated == ()
+    assert "steps 100 lie outside" in staleness.estimate("adamw", "ef", 100, 1_000_000, LAW).extrapolated[0]
+    with pytest.raises(KeyError):
+        staleness.estimate("sgd", "none", 1000, 1_000_000, LAW)
+
+
+def test_the_gap_is_the_efficiency_on_chinchillas_loss_curve():
+    def chinchilla_loss(tokens: float) -> float:  # Hoffmann et al. 2022, approach 3, at a fixed model size
+        return 1.69 + 406.4 / 1e9 ** 0.34 + 410.7 / tokens ** 0.28
+
+    tokens, efficiency = 2e11, 0.9
+    # The synchronous run reaches the delayed run's loss at efficiency x the tokens: the gap is the
+    # loss difference between the two budgets (to first order in ln(1/efficiency)).
+    expected = chinchilla_loss(efficiency * tokens) - chinchilla_loss(tokens)
+    assert staleness.gap(efficiency, tokens) == pytest.approx(expected, rel=0.02)
+    step = 1e-4
+    numeric = -(chinchilla_loss(tokens * math.exp(step)) - chinchilla_loss(tokens)) / step
+    assert staleness.chinchilla_slope(tokens) == pytest.approx(numeric, rel=1e-3)
+
+
+def test_the_corrector_of_a_run():
+    assert staleness.corrector_of(False, 0.0) == "none"
+    assert staleness.corrector_of(True, 0.0) == "ef"
+    assert staleness.corrector_of(False, 1.0) == "predict"
+
+
+def _cell(name: str, dim: int, batch: int):
+    return scaling.Cell(name, scaling._regime(dim, batch), 6e-3, 1e-2)
+
+
+def _synthetic_record(cells, law: Law, slope: float, seeds=(0,)) -> dict[str, dict]:
+    """A study record whose synchronous final losses lie exactly on L(D) = 5 - slope ln D (each
+    budget its own run), and whose delayed runs sit `slope` x ln(1/eta) above, eta from `law`."""
+    record = {}
+
+    def add(cell, run, loss):
+        settings = run.settings({"adamw": 6e-3, "muon": 1e-2})
+        entry = scaling.entry_of(run, settings, [(settings.steps, loss)], 1.0, "synthetic")
+        record[f"{cell.name}/{run.name}"] = entry
+
+    for cell in cells:
+        steps = cell.settings(1, 1).steps
+        for optimizer, lr in (("adamw", 6e-3), ("muon", 1e-2)):
+            for sweep_lr in (lr / 2, lr, 2 * lr):  # the middle lr wins the sweep
+                run = scaling.Run(cell, scaling.Arm(optimizer, 0, False), sweep_lr, sweep=True)
+                settings = run.settings({})
+                tokens = settings.steps * settings.seq_len * settings.batch
+                add(cell, run, 5 - slope * math.log(tokens) + (0 if sweep_lr == lr else 0.1))
+            for budget in scaling.BUDGETS:
+                run = scaling.Run(cell, scaling.Arm(optimizer, 0, False), lr, budget)
+                settings = run.settings({optimizer: lr})
+                add(cell, run, 5 - slope * math.log(settings.steps * settings.seq_len * settings.batch))
+            full = cell.settings(1, 1)
+            sync = 5 - slope * math.log(full.steps * full.seq_len * full.batch)
+            for corrector in staleness.CORRECTORS:
+                y = law.log_inefficiency(optimizer, corrector, steps, cell.regime.parameters)
+                for seed in seeds:
+                    if seed:
+                        add(cell, scaling.Run(cell, scaling.Arm(optimizer, 0, False, seed), lr), sync + 0.01 * seed)
+                    add(cell, scaling.Run(cell, scaling.corrector_arm(optimizer, corrector, seed), lr), sync + 0.01 * seed + slope * y)
+    return record
+
+
+def test_the_study_reads_token_efficiency_from_the_budget_runs_and_its_fit_recovers_a_known_law(monkeypatch):
+    cells = [_cell("s", 64, 64), _cell("m", 64, 16), _cell("l", 64, 4), _cell("wide", 96, 32)]
+    monkeypatch.setattr(scaling, "CELLS", {c.name: c for c in cells})
+    monkeypatch.setattr(scaling, "SEEDS_OF_CELL", {c.name: (0, 1) for c in cells})
+    law = replace(LAW, parameters_exponent=0.4)
+    record = _synthetic_record(cells, law, slope=0.3, seeds=(0, 1))
+    points = scaling.measure(record, cells)
+    assert len(points) == 4 * 2 * 3
+    for p in points:
+        assert p.slope == pytest.approx(0.3)
+        assert p.mean == pytest.approx(law.log_inefficiency(p.optimizer, p.corrector, p.steps, p.cell.regime.parameters))
+    fit = scaling.fit_law(points, "synthetic")
+    assert fit.law.steps_exponent == pytest.approx(0.5)
+    assert fit.law.parameters_exponent == pytest.approx(0.4)
+    assert fit.law.coefficients == pytest.approx(law.coefficients)
+    assert fit.law.residual_factor == pytest.approx(1.0)
+    assert fit.law.steps == (350, 5460) and fit.law.parameters == (279_104, 541_536)
+
+
+def test_the_fit_leaves_out_points_without_a_measurable_cost_and_fixes_an_exponent_it_cannot_identify(monkeypatch):
+    cells = [_cell("s", 64, 64), _cell("l", 64, 4)]  # one model size: the parameters exponent is not identified
+    monkeypatch.setattr(scaling, "CELLS", {c.name: c for c in cells})
+    monkeypatch.setattr(scaling, "SEEDS_OF_CELL", {c.name: (0,) for c in cells})
+    law = replace(LAW, coefficients={**LAW.coefficients, "muon+ef": -0.01})  # EF more than closes Muon's gap
+    fit = scaling.fit_law(scaling.measure(_synthetic_record(cells, law, slope=0.2), cells), "synthetic")
+    assert [(p.optimizer, p.corrector) for p, _ in fit.excluded] == [("muon", "ef")] * 2
+    assert "muon+ef" not in fit.law.coefficients
+    assert fit.law.parameters_exponent == 0.0
+    assert fit.law.steps_exponent == pytest.approx(0.5)
+
+
+def test_the_study_trains_each_cells_sweep_first_and_grows_a_grid_whose_best_lr_is_at_its_end(monkeypatch):
+    cell = _cell("s", 64, 64)
+    monkeypatch.setattr(scaling, "SEEDS_OF_CELL", {"s": (0, 1)})
+    record: dict[str, dict] = {}
+    first = list(scaling.pending([cell], record))
+    assert [r.name for r in first] == ["tune-adamw-lr0.003", "tune-adamw-lr0.006", "tune-adamw-lr0.012",
+                                       "tune-muon-lr0.005", "tune-muon-lr0.01", "tune-muon-lr0.02"]
+    for run in first:  # AdamW's best lr is its largest; Muon's is bracketed
+        loss = -run.lr if run.arm.optimizer == "adamw" else abs(run.lr - 0.01)
+        record[run.key] = scaling.entry_of(run, run.settings({}), [(350, loss)], 1.0, "synthetic")
+    assert [r.name for r in scaling.pending([cell], record)] == ["tune-adamw-lr0.024"]
+    grown = scaling.Run(cell, scaling.Arm("adamw", 0, False), 0.024, sweep=True)
+    record[grown.key] = scaling.entry_of(grown, grown.settings({}), [(350, 1.0)], 1.0, "synthetic")
+    assert scaling.best_of(cell, record) == {"adamw": 0.012, "muon": 0.01}
+    after = [r.name for r in scaling.pending([cell], record)]
+    assert after[:2] == ["adamw-delay1", "muon-delay1"] and "adamw-sync-budget0.5" in after
+    assert after[-4:] == ["adamw-sync-seed1", "muon-sync-seed1", "adamw-delay1-seed1", "muon-delay1-seed1"]
+
+
+def test_a_torn_last_line_of_the_record_is_ignored(tmp_path):
+    path = tmp_path / "runs.jsonl"
+    path.write_text(json.dumps({"cell": "b4", "run": "adamw-delay1", "validation": [[10, 3.0]]}) + "\n{\"cell\": \"b4\", \"ru")
+    assert list(scaling.load_record(path)) == ["b4/adamw-delay1"]
+
+
+def test_plan_staleness_predicts_each_correctors_cost_for_the_config():
+    run = load_run_config(CONFIGS / "10b_2bw_muon.toml")
+    report = staleness_report(run, 10_000_000_000, 4_194_304, LAW)
+    steps = run.training.steps
+    tokens = steps * 4_194_304
+    assert report["tokens"] == tokens and report["config_corrector"] == "ef"
+    for corrector, found in report["correctors"].items():
+        y = LAW.coefficients[f"muon+{corrector}"] * (steps / 1000) ** -0.5 * (1e10 / 1e6) ** -0.25
+        assert found["token_efficiency"] == pytest.approx(math.exp(-y))
+        assert found["token_efficiency_range"] == pytest.approx([math.exp(-2 * y), math.exp(-y / 2)])
+        assert found["gap"] == pytest.approx(staleness.chinchilla_slope(tokens) * y)
+    assert any(note.startswith("parameters 10,000,000,000 lie outside") for note in report["extrapolated"])
+
+
+def test_plan_staleness_json_carries_the_shipped_laws_prediction(capsys):
+    status, out, _ = cli_in_process(capsys, "plan", "--config", str(CONFIGS / "10b_2bw_muon.toml"), "--staleness", "--json")
+    assert status == 0
+    plan = json.loads(out)
+    found = plan["staleness"]
+    assert found["parameters"] == plan["model"]["parameters"]
+    assert found["tokens"] == plan["layout"]["tokens_per_step"] * found["steps"]
+    shipped = staleness.law()
+    for corrector in staleness.CORRECTORS:
+        expected = staleness.estimate("muon", corrector, found["steps"], found["parameters"], shipped)
+        assert found["correctors"][corrector]["token_efficiency"] == pytest.approx(expected.efficiency)
+    status, _, err = cli_in_process(capsys, "plan", "--config", str(CONFIGS / "10b_2bw_muon.toml"), "--staleness",
+                                    "--simulate", "--gpu-counts", "64")
+    assert status == 2 and err.startswith("titan-async: --staleness: applies only without --gpu-counts")

@@ -1,0 +1,80 @@
+"""`plan --staleness`: the delay's predicted cost for a config (`cluster.staleness`): per corrector,
+the token efficiency with its range, the tokens a delayed run needs to reach the synchronous
+run's final loss, and the loss gap at equal tokens, with what the prediction extrapolates."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from titan_async.cluster import staleness
+from titan_async.config.run_config import RunConfig
+from titan_async.pipeline.schedules import STREAMING_SCHEDULES
+
+
+def staleness_report(run: RunConfig, parameters: int, tokens_per_step: int, law: staleness.Law | None = None) -> dict[str, Any]:
+    """The predicted delay-1 cost of `run` (`parameters` total, `tokens_per_step` global) for each
+    corrector, JSON-ready."""
+    optimizer = run.optimizer.name
+    law = law or staleness.law()
+    steps, tokens = run.training.steps, run.training.steps * tokens_per_step
+    correctors, extrapolated = {}, ()
+    for corrector in staleness.CORRECTORS:
+        found = staleness.estimate(optimizer, corrector, steps, parameters, law)
+        extrapolated = found.extrapolated
+        correctors[corrector] = {
+            "token_efficiency": found.efficiency,
+            "token_efficiency_range": [found.low, found.high],
+            "tokens_factor": found.tokens_factor,
+            "tokens_factor_range": [1 / found.high, 1 / found.low],
+            "gap": staleness.gap(found.efficiency, tokens),
+            "gap_range": [staleness.gap(found.high, tokens), staleness.gap(found.low, tokens)],
+        }
+    schedule = run.parallelism.pipeline_parallel_schedule
+    delayed = schedule in STREAMING_SCHEDULES or run.training.gradient_delay > 0
+    notes = [
+        f"gap: on Chinchilla's loss curve at {tokens:,.0f} tokens (slope -dL/d ln D = {staleness.chinchilla_slope(tokens):.4f}); "
+        "the studies' own loss scale does not transfer",
+        f"the law takes steps and parameters; it assumes an lr tuned for the run (the studies swept theirs), "
+        f"so optimizer.lr = {run.optimizer.lr:g} is not an input",
+        "PACI: a microbatch crosses at most one update, so the delay-1 figures bound its cost from above",
+    ]
+    if not delayed:
+        notes.insert(0, f"the config's schedule {schedule} trains without delay: the figures are those of a delayed run of it")
+    return {
+        "optimizer": optimizer,
+        "config_corrector": staleness.corrector_of(run.optimizer.error_feedback.enabled, run.training.weight_prediction),
+        "parameters": parameters,
+        "steps": steps,
+        "tokens_per_step": tokens_per_step,
+        "tokens": tokens,
+        "tokens_per_parameter": tokens / parameters,
+        "correctors": correctors,
+        "extrapolated": list(extrapolated),
+        "law": {"source": law.source, "steps": list(law.steps), "parameters": list(law.parameters),
+                "steps_exponent": law.steps_exponent, "parameters_exponent": law.parameters_exponent,
+                "residual_factor": law.residual_factor},
+        "notes": notes,
+    }
+
+
+CORRECTOR_LABELS = {"none": "delay 1", "ef": "delay 1 + error feedback", "predict": "delay 1 + weight prediction"}
+
+
+def staleness_text(report: dict[str, Any]) -> str:
+    """The report as lines: one per corrector (the config's marked), then the extrapolations and notes."""
+    lines = [f"Delay cost ({report['optimizer']}, {report['parameters']:,} parameters, {report['steps']:,} steps x "
+             f"{report['tokens_per_step']:,} tokens = {report['tokens_per_parameter']:.1f} tokens per parameter):"]
+    for corrector, found in report["correctors"].items():
+        low, high = found["token_efficiency_range"]
+        factor_low, factor_high = found["tokens_factor_range"]
+        gap_low, gap_high = found["gap_range"]
+        mark = "  <- the config" if corrector == report["config_corrector"] else ""
+        lines.append(f"  {CORRECTOR_LABELS[corrector]:<28} token efficiency {found['token_efficiency']:.3f} ({low:.3f}..{high:.3f}); "
+                     f"{found['tokens_factor']:.3f}x the tokens to the synchronous loss ({factor_low:.3f}..{factor_high:.3f}); "
+                     f"gap {found['gap']:+.4f} ({gap_low:+.4f}..{gap_high:+.4f}){mark}")
+    law = report["law"]
+    lines.append(f"  law: {law['source']}, fitted on steps {law['steps'][0]:,}..{law['steps'][1]:,} and parameters "
+                 f"{law['parameters'][0]:,}..{law['parameters'][1]:,}")
+    lines += [f"  extrapolates: {note}" for note in report["extrapolated"]]
+    lines += [f"  note: {note}" for note in report["notes"]]
+    return "\n".join(lines)
