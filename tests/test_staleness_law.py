@@ -38,6 +38,9 @@ def test_the_law_evaluates_its_power_law_with_its_residual_range_and_names_what_
     assert "steps 100 lie outside" in staleness.estimate("adamw", "ef", 100, 1_000_000, LAW).extrapolated[0]
     with pytest.raises(KeyError):
         staleness.estimate("sgd", "none", 1000, 1_000_000, LAW)
+    wide = replace(LAW, range_factors={"muon+none": 4.0, "muon+ef": 1.2})  # the wider of the two factors counts
+    assert staleness.estimate("muon", "none", 4000, 16_000_000, wide).low == pytest.approx(math.exp(-0.2))
+    assert staleness.estimate("muon", "ef", 4000, 16_000_000, wide).low == pytest.approx(math.exp(-2 * 0.0125))
 
 
 def test_the_gap_is_the_efficiency_on_chinchillas_loss_curve():
@@ -145,6 +148,15 @@ def test_the_study_trains_each_cells_sweep_first_and_grows_a_grid_whose_best_lr_
     after = [r.name for r in scaling.pending([cell], record)]
     assert after[:2] == ["adamw-delay1", "muon-delay1"] and "adamw-sync-budget0.5" in after
     assert after[-4:] == ["adamw-sync-seed1", "muon-sync-seed1", "adamw-delay1-seed1", "muon-delay1-seed1"]
+
+
+def test_the_seeds_spread_widens_a_coefficients_range():
+    cell = _cell("s", 64, 64)
+    spread = scaling.Point(cell, "muon", "ef", {0: 0.04, 1: 0.01}, 1.0, 350)  # ln(1/eta) 0.04 and 0.01: sqrt(4)
+    crossing = scaling.Point(cell, "muon", "ef", {0: 0.03, 1: -0.01}, 1.0, 350)  # mean 0.01, largest seed 0.03
+    assert scaling.seed_spread_factor([spread]) == pytest.approx(2.0)
+    assert scaling.seed_spread_factor([spread, crossing]) == pytest.approx(3.0)
+    assert scaling.seed_spread_factor([scaling.Point(cell, "muon", "ef", {0: 0.04}, 1.0, 350)]) == 1.0
 
 
 def test_a_torn_last_line_of_the_record_is_ignored(tmp_path):

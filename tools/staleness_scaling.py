@@ -38,7 +38,7 @@ import numpy as np
 from staleness_study import Arm, Regime, Settings, best_lr, job, load_curves
 from titan_async.cluster import staleness
 from titan_async.cluster.staleness import LAW_FILE, Law
-from titan_async.experiments.jobs import ROOT, git_state, run_job
+from titan_async.experiments.jobs import ROOT, git_state, record_config, run_job
 
 OUT = ROOT / "docs" / "results" / "staleness_scaling"
 RECORD = OUT / "runs.jsonl"
@@ -419,13 +419,31 @@ def fit_law(points: list[Point], source: str) -> Fit:
     law = Law({g: math.exp(c) for g, c in zip(groups, solution)}, float(exponents["steps"]), float(exponents["parameters"]),
               math.exp(max(abs(r) for r in residuals)),
               (min(p.steps for p in used), max(p.steps for p in used)),
-              (min(p.cell.regime.parameters for p in used), max(p.cell.regime.parameters for p in used)), source)
+              (min(p.cell.regime.parameters for p in used), max(p.cell.regime.parameters for p in used)), source,
+              {g: seed_spread_factor([p for p in used if f"{p.optimizer}+{p.corrector}" == g]) for g in groups})
     return Fit(law, used, excluded, 1 - float(sum(r * r for r in residuals)) / total if total else math.nan, residuals)
+
+
+def seed_spread_factor(points: list[Point]) -> float:
+    """The largest factor between a point's mean ln(1 / eta) and one of its seeds' (the square
+    root of their ratio where they differ in sign or one is 0: half the spread in log space is not
+    defined there, so the whole point's mean-to-largest ratio stands in); 1 with one seed each."""
+    factor = 1.0
+    for p in points:
+        values = list(p.log_inefficiencies.values())
+        if len(values) < 2:
+            continue
+        if min(values) > 0:
+            factor = max(factor, math.sqrt(max(values) / min(values)))
+        else:
+            factor = max(factor, max(values) / p.mean)
+    return factor
 
 
 def write_law(law: Law, path: Path = LAW_FILE) -> None:
     data = {"coefficients": law.coefficients, "steps_exponent": law.steps_exponent,
             "parameters_exponent": law.parameters_exponent, "residual_factor": law.residual_factor,
+            "range_factors": law.range_factors,
             "steps": list(law.steps), "parameters": list(law.parameters), "source": law.source}
     path.write_text(json.dumps(data, indent=1) + "\n")
 
@@ -477,7 +495,10 @@ def _fit_section(fit: Fit) -> str:
              "- c: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(law.coefficients.items())),
              f"- fitted on {len(fit.used)} points (steps {law.steps[0]:,}..{law.steps[1]:,}, parameters "
              f"{law.parameters[0]:,}..{law.parameters[1]:,}); R^2 in log space {fit.r_squared:.3f}; largest residual factor "
-             f"{law.residual_factor:.2f} (the range `plan --staleness` gives)"]
+             f"{law.residual_factor:.2f}",
+             "- range (what `plan --staleness` gives): ln(1/eta) times or divided by the larger of the residual factor and "
+             "the seeds' spread factor (the square root of the ratio of a point's largest to smallest seed): "
+             + ", ".join(f"{k} {law.range_factor(*k.split('+')):.2f}" for k in sorted(law.coefficients))]
     lines += [f"- left out: {p.cell.name} {p.optimizer}+{p.corrector}: {why}" for p, why in fit.excluded]
     return "\n".join(lines)
 
@@ -541,8 +562,9 @@ ANALYSIS_HEADING = "## Analysis"
 
 
 def write_report(record: dict[str, dict], out: Path = OUT) -> Fit | None:
-    """README.md, points.csv and curves.png in `out` from the record; the law (LAW_FILE) once
-    the points span two step counts. Returns the fit, if any. The hand-written part of an
+    """README.md, points.csv, curves.png and configs/CELL/RUN.toml (each run's resolved config,
+    while its run directory is here) in `out` from the record; the law (LAW_FILE) once the
+    points span two step counts. Returns the fit, if any. The hand-written part of an
     existing README from ANALYSIS_HEADING on is kept."""
     points = measure(record, list(CELLS.values()))
     fit = fit_law(points, "docs/results/staleness_scaling") if any(p.mean > 0 for p in points) else None
@@ -557,6 +579,11 @@ def write_report(record: dict[str, dict], out: Path = OUT) -> Fit | None:
                 writer.writerow([p.cell.name, p.cell.regime.parameters, p.steps, p.optimizer, p.corrector, seed,
                                  f"{gap:.5f}", f"{p.slope:.5f}", f"{gap / p.slope:.5f}"])
     plot(record, points, fit, out / "curves.png")
+    for key in record:
+        source, destination = RUNS / key / "config.toml", out / "configs" / f"{key}.toml"
+        if source.is_file() and not destination.is_file():
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            record_config(source.parent, destination)
     old = (out / "README.md").read_text() if (out / "README.md").is_file() else ""
     analysis = old[old.index(ANALYSIS_HEADING):] if ANALYSIS_HEADING in old else ""
     parts = ["# Staleness scaling: what sets the one-step delay's cost", "",
@@ -574,7 +601,8 @@ def write_report(record: dict[str, dict], out: Path = OUT) -> Fit | None:
                   _out_of_sample_section(fit.law), ""]
     parts += ["## How it was run", "", "    .venv/bin/python tools/staleness_scaling.py --parallel 2", "",
               "- each run: `titan-async train --config debug_cpu` with the cell's settings (`Cell.settings` and "
-              "`staleness_study.Settings.overrides`); the command, git revision and machine load of each are in `runs.jsonl`",
+              "`staleness_study.Settings.overrides`); its resolved config is configs/CELL/RUN.toml (the b16 cell's "
+              "imported runs: docs/results/staleness_tokens20/configs); the git revision and machine load of each are in `runs.jsonl`",
               "- runs two at a time on 2 cores shared with other work (`nice -n 19`)", ""]
     (out / "README.md").write_text("\n".join(parts) + ("\n" + analysis if analysis else ""))
     return fit

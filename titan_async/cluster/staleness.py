@@ -8,7 +8,8 @@ synchronous run's final loss, and its time to that loss is its step time x 1 / e
     ln(1 / eta) = c[optimizer, corrector] x (steps / 1000) ** -steps_exponent
                                           x (parameters / 1e6) ** -parameters_exponent
 
-with its range the fit's largest residual factor either way (`Law.residual_factor`). The loss
+with its range a factor either way on ln(1 / eta) (`Law.range_factor`: the fit's residuals and the
+seed-to-seed spread of the optimizer and corrector's points). The loss
 gap at equal tokens follows from the synchronous loss's slope in log tokens, s = -dL/d ln D:
 gap = s x ln(1 / eta). The study's own slope is that of its tiny models and data set; for a run
 the slope is Chinchilla's (Hoffmann et al. 2022, L = E + A / N^alpha + B / D^beta, so
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,8 @@ CHINCHILLA = {"B": 410.7, "beta": 0.28}
 class Law:
     """The fitted law (LAW_FILE): `coefficients` by "optimizer+corrector" ("muon+none", ...),
     its two exponents, `residual_factor` >= 1 (the largest factor between a fitted point's
-    ln(1 / eta) and the law's), and the `steps` and `parameters` ranges it was fitted on."""
+    ln(1 / eta) and the law's), `range_factors` >= 1 by coefficient (where the seeds of its
+    points spread wider than that), and the `steps` and `parameters` ranges it was fitted on."""
 
     coefficients: dict[str, float]
     steps_exponent: float
@@ -48,11 +50,16 @@ class Law:
     steps: tuple[int, int]
     parameters: tuple[int, int]
     source: str
+    range_factors: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Law:
         return cls(dict(data["coefficients"]), data["steps_exponent"], data["parameters_exponent"], data["residual_factor"],
-                   tuple(data["steps"]), tuple(data["parameters"]), data["source"])
+                   tuple(data["steps"]), tuple(data["parameters"]), data["source"], dict(data.get("range_factors", {})))
+
+    def range_factor(self, optimizer: str, corrector: str) -> float:
+        """The factor either way on ln(1 / eta) that bounds the prediction's range."""
+        return max(self.residual_factor, self.range_factors.get(f"{optimizer}+{corrector}", 1.0))
 
     def log_inefficiency(self, optimizer: str, corrector: str, steps: int, parameters: int) -> float:
         """ln(1 / eta) at these steps and parameters; KeyError for an optimizer or corrector the
@@ -95,7 +102,7 @@ def estimate(optimizer: str, corrector: str, steps: int, parameters: int, fitted
         if not low <= value <= high:
             notes.append(f"{what} {value:,} lie outside the studies' {low:,}..{high:,} "
                          f"({max(value / high, low / value):,.0f}x beyond)")
-    f = fitted.residual_factor
+    f = fitted.range_factor(optimizer, corrector)
     return Estimate(math.exp(-y), math.exp(-y * f), math.exp(-y / f), tuple(notes))
 
 

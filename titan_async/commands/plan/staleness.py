@@ -52,7 +52,7 @@ def staleness_report(run: RunConfig, parameters: int, tokens_per_step: int, law:
         "extrapolated": list(extrapolated),
         "law": {"source": law.source, "steps": list(law.steps), "parameters": list(law.parameters),
                 "steps_exponent": law.steps_exponent, "parameters_exponent": law.parameters_exponent,
-                "residual_factor": law.residual_factor},
+                "residual_factor": law.residual_factor, "range_factors": law.range_factors},
         "notes": notes,
     }
 
