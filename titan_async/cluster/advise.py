@@ -222,10 +222,12 @@ def advise_point(run: RunConfig, cluster: Cluster, simulate: Callable[[RunConfig
     best_stream = max(streaming, key=streaming.get) if streaming else None
     own = Setting(run.activation_checkpoint.mode, run.parallelism.pipeline_parallel_microbatch_size)
     fastest = max(tokens, key=tokens.get) if tokens else None
+    unfit = {name: c for name, c in chosen.items() if isinstance(c, str)}
     return {
         "tokens_per_second": tokens,
         "settings": fits,
-        "unfit": {name: c for name, c in chosen.items() if isinstance(c, str)},
+        "unfit": unfit,
+        **({} if fits else {"reason": none_fits(names, plans, unfit)}),
         "m_over_p": fits[fastest]["m_over_p"] if fastest else None,
         "best_synchronous": best_sync,
         "best_streaming": best_stream,
@@ -235,6 +237,16 @@ def advise_point(run: RunConfig, cluster: Cluster, simulate: Callable[[RunConfig
         "data_parallel_shard": next(iter(plans.values()))["layout"]["data_parallel_shard"],
         "parameters": next(iter(plans.values()))["parameters"],
     }
+
+
+def none_fits(names: dict[str, None], plans: dict[Setting, dict], unfit: dict[str, str]) -> str:
+    """Why no schedule of a layout fits, in one line: the schedule with the smallest peak at any
+    setting `train` would run (`_candidates`), or why the first could not be simulated or estimated."""
+    peaks = [(min(why)[0], name) for name in names for _, why in [_candidates(name, plans)] if why]
+    peak, name = min(peaks, default=(math.inf, None))
+    if name is None or peak == math.inf:
+        return next(iter(unfit.items()), ("", "every setting refused"))[1]
+    return f"{name}: {unfit[name]}"
 
 
 SYNCHRONOUS = staleness.Estimate(1.0, 1.0, 1.0, ())
@@ -314,8 +326,7 @@ def advise_gpu_count(run: RunConfig, sequences: int, cluster: Cluster, simulate:
             chosen.update(time_to_target(chosen["tokens_per_second"], aim, name))
         rows = _entries({**described, **point})
         best = min(rows, key=lambda row: rank_key(row, aim))["schedule"] if rows else None
-        reason = None if rows else "no schedule fits: " + "; ".join(f"{name}: {why}" for name, why in point["unfit"].items())
-        layouts.append({**described, **point, "best": best, **({"reason": reason} if reason else {})})
+        layouts.append({**described, **point, "best": best})
     rows = [row for layout in layouts if "reason" not in layout for row in _entries(layout) if row["schedule"] == layout["best"]]
     aim = goal(next((layout["parameters"] for layout in layouts if "parameters" in layout), 0)) if rows else None
     best = {}

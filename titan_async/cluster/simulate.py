@@ -183,7 +183,7 @@ def tp_seconds(stages: list[StageShape], setup: Setup, cluster: Cluster, options
     (tp - 1) / tp of its tensor over `tp_link`; 0 without TP."""
     if setup.tp < 2:
         return 0.0, 0.0
-    ring = replace(setup, sequence_parallel=True, tokens=setup.tokens // setup.gathered)
+    ring = replace(setup, sequence_parallel=True, tokens=setup.tokens * setup.gathered // setup.tp)
     total = sum(tp_traffic_bytes(stages, ring, 1).values())
     forward = sum(tp_traffic_bytes(stages, replace(ring, activation_checkpoint="none"), 1).values()) / 2
     seconds = (setup.tp - 1) / setup.tp / tp_link(setup, cluster, options).bandwidth
@@ -283,11 +283,11 @@ def rank_collectives(name: str, layout: Layout, shapes: list[StageShape], setup:
 
 def data_parallel_name(setup: Setup) -> str:
     """The row name of a layout without a pipeline: FSDP, HSDP (FSDP groups replicated), DDP
-    (replicas of whole weights) or one GPU."""
+    (replicas of whole weights), TP alone or one GPU."""
     sharded = setup.fsdp and setup.fsdp_degree > 1
     if setup.replicas > 1:
         return "HSDP" if sharded else "DDP"
-    return "FSDP" if sharded else "one GPU"
+    return "FSDP" if sharded else "TP" if setup.tp > 1 else "one GPU"
 
 
 def data_parallel_collectives(layout: Layout, shapes: list[StageShape], setup: Setup, cluster: Cluster,

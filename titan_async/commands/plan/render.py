@@ -287,7 +287,7 @@ def _row(row: dict[str, Any] | str, recommended: dict[str, Any] | None) -> list[
     when it is the recommended one; a reason (a kind none of whose layouts fits) in one cell."""
     if isinstance(row, str):
         return ["-", "-", "-", "-", "-", "-", ""]
-    schedule = row["schedule"] if row["schedule"] not in ("FSDP", "HSDP", "DDP", "one GPU") else "-"
+    schedule = row["schedule"] if row["schedule"] not in ("FSDP", "HSDP", "DDP", "TP", "one GPU") else "-"
     if row["efficiency"] is None:
         efficiency = "unknown"
     elif row["efficiency_low"] == row["efficiency_high"]:
