@@ -14,7 +14,7 @@ the count, or whose data ranks do not divide the batch, says why):
   more than one node, as HSDP (the FSDP group inside a node, one replica per node).
 
 With a pipeline every schedule is simulated as `plan --simulate` simulates the config, at each
-setting of `SETTINGS` (activation checkpointing mode x microbatch size) that divides the data
+setting of `settings` (activation checkpointing mode x microbatch size) that divides the data
 rank's batch into at least p microbatches, and keeps its fastest setting whose peak memory
 (`schedule_memory`) fits `--gpu-memory` and that `train` would run with it (selective
 recomputation is refused with the split-backward schedules and PACI); a schedule with none shows
