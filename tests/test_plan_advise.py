@@ -228,7 +228,8 @@ def test_the_law_decides_between_the_streaming_schedule_and_the_synchronous_layo
         assert row["efficiency"] == pytest.approx(efficiency, rel=1e-12)
         assert row["hours"] == pytest.approx(150 * 2048 / (row["tokens_per_second"] * efficiency) / 3600, rel=1e-12)
         if streaming:
-            assert (row["efficiency_low"], row["efficiency_high"]) == pytest.approx((math.exp(-2 * coefficient), math.exp(-coefficient / 2)))
+            expected = (math.exp(-2 * coefficient), math.exp(-coefficient / 2))
+            assert (row["efficiency_low"], row["efficiency_high"]) == pytest.approx(expected)
     by_time = min(rows, key=lambda row: row["hours"])
     recommended = point["recommended"]
     assert (recommended["layout"], recommended["schedule"]) == (by_time["layout"], by_time["schedule"])
@@ -261,3 +262,21 @@ def test_a_layout_that_fits_nowhere_says_why(capsys):
     code, out, _ = cli_in_process(capsys, "plan", "--config", CONFIG, "--gpus-per-node", "2", "--simulate",
                                   "--gpu-memory", f"{peak - 1}B", "--gpu-counts", "2")
     assert code == 0 and f"2 GPUs, PP 2: {reason}" in out.splitlines()
+
+
+def test_without_a_law_for_the_optimizer_every_layout_is_ranked_by_tokens_per_second():
+    """A law fitted to Muon only leaves AdamW's delay unknown: the streaming schedules have no
+    efficiency and no hours, the synchronous ones efficiency 1, the recommended row is the one
+    with the most tokens/s, and one line says why."""
+    run = load_run_config(Path(CONFIG))
+    muon_only = Law({"muon+ef": 1.0}, 0.0, 0.0, 2.0, (1, 10**9), (1, 10**12), "test")
+    advice = advise(run, Cluster(1, 2, 80 * 2**30), [2], advice_simulator(SimulationOptions()), muon_only)
+    [point] = advice["points"]
+    rows = [{"layout": layout["layout"], "schedule": name, **chosen}
+            for layout in point["layouts"] if "reason" not in layout for name, chosen in layout["settings"].items()]
+    for row in rows:
+        streaming = row["schedule"] in STREAMING_SCHEDULES
+        assert (row["efficiency"] is None) == streaming and (row["hours"] is None) == streaming
+    fastest = max(rows, key=lambda row: row["tokens_per_second"])
+    assert (point["recommended"]["layout"], point["recommended"]["schedule"]) == (fastest["layout"], fastest["schedule"])
+    assert len(advice["notes"]) == 1 and "ranked by tokens/s" in advice["notes"][0]

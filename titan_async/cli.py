@@ -123,7 +123,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-counts", type=_gpu_counts, metavar="N,N,...",
                       help="--simulate: layouts (the config's, fewer stages, no pipeline) and schedules at each GPU count for the config's "
                            "global batch (on --nodes x --gpus-per-node), ranked by predicted time to the synchronous run's final loss")
-    plan.add_argument("--advice-png", type=Path, metavar="PNG", help="--gpu-counts: draw each kind of layout's hours to target against GPUs")
+    plan.add_argument("--advice-png", type=Path, metavar="PNG",
+                      help="--gpu-counts: draw each kind of layout's hours to target against GPUs")
     plan.add_argument("--balance", action="store_true",
                       help="--simulate: the stage split that evens out the ranks' simulated work, and every schedule's gain with it")
 

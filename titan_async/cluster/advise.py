@@ -108,7 +108,8 @@ class Candidate:
 
 
 def candidates(run: RunConfig, gpus: int, gpus_per_node: int) -> list[Candidate]:
-    """The layouts tried on `gpus` GPUs with `gpus_per_node` per node (module docstring), each once."""
+    """The layouts tried on `gpus` GPUs with `gpus_per_node` per node (module docstring), each once
+    (a mixture-of-experts model without TP)."""
     p = run.parallelism
     sizes = run.model.resolved(0)
     found = [Candidate("config", p.pipeline_parallel_degree, p.tensor_parallel_degree, p.data_parallel_replicate_degree)]
@@ -117,7 +118,8 @@ def candidates(run: RunConfig, gpus: int, gpus_per_node: int) -> list[Candidate]
         found.append(Candidate("fewer stages", stages, p.tensor_parallel_degree, p.data_parallel_replicate_degree))
         stages //= 2
     nodes = gpus // gpus_per_node
-    for tp in sorted({1, p.tensor_parallel_degree, gpus_per_node}):
+    moe = run.model.family == "qwen3_moe"  # plan estimates MoE without TP
+    for tp in [1] if moe else sorted({1, p.tensor_parallel_degree, gpus_per_node}):
         if sizes["n_heads"] % tp or sizes["n_kv_heads"] % tp:
             continue
         found.append(Candidate("no pipeline", 1, tp, 1))
@@ -152,13 +154,6 @@ def at_layout(run: RunConfig, sequences: int, gpus: int, candidate: Candidate) -
         return (f"{local} sequences per data rank make fewer microbatches than {c.pp} stages "
                 f"at every microbatch size ({', '.join(map(str, sorted({*MICROBATCH_SIZES, p.pipeline_parallel_microbatch_size})))})")
     return scaled
-
-
-def at_gpu_count(run: RunConfig, sequences: int, gpus: int) -> RunConfig | str:
-    """`run` on `gpus` GPUs with `sequences` per step in its own layout, or why it cannot be."""
-    p = run.parallelism
-    return at_layout(run, sequences, gpus, Candidate("config", p.pipeline_parallel_degree, p.tensor_parallel_degree,
-                                                     p.data_parallel_replicate_degree))
 
 
 def _candidates(name: str, plans: dict[Setting, dict]) -> tuple[list[tuple[float, Setting, dict]], list[tuple[float, str]]]:
