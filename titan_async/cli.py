@@ -121,8 +121,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="--simulate: costs measured by this traced run (metrics.pipeline_trace) of the same pipeline degree")
     plan.add_argument("--gantt", type=Path, metavar="PNG", help="--simulate: draw each schedule's first simulated steps")
     plan.add_argument("--gpu-counts", type=_gpu_counts, metavar="N,N,...",
-                      help="--simulate: every schedule at each GPU count for the config's global batch (on --nodes x --gpus-per-node)")
-    plan.add_argument("--advice-png", type=Path, metavar="PNG", help="--gpu-counts: draw tokens/s against GPUs")
+                      help="--simulate: layouts (the config's, fewer stages, no pipeline) and schedules at each GPU count for the config's "
+                           "global batch (on --nodes x --gpus-per-node), ranked by predicted time to the synchronous run's final loss")
+    plan.add_argument("--advice-png", type=Path, metavar="PNG",
+                      help="--gpu-counts: draw each kind of layout's hours to target against GPUs")
     plan.add_argument("--staleness", action="store_true",
                       help="the one-step delay's predicted cost for the config: token efficiency and loss gap per corrector")
     plan.add_argument("--balance", action="store_true",

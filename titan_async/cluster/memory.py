@@ -570,6 +570,27 @@ def fsdp_traffic_bytes(schedule: str, stages: list[StageShape], setup: Setup, mi
     }
 
 
+def data_parallel_traffic_bytes(stages: list[StageShape], setup: Setup, microbatches: int) -> dict[str, float]:
+    """Bytes one rank without a pipeline all-gathers, reduce-scatters and all-reduces across
+    replicas per step of `microbatches` (K, gradient accumulation) forward-backward passes, with
+    P, f, r, c and g as in `fsdp_traffic_bytes`: FSDP2 reshards after each forward (torchtitan's
+    default without a pipeline), so every microbatch gathers the weights twice (forward and
+    backward), and every backward reduces (torchtitan keeps gradient sync on while accumulating):
+
+        all_gather = 2 K P c [f > 1], reduce_scatter = K P g [f > 1], all_reduce = K P / f g [r > 1]
+
+    Dense models only (the advisor's layouts without a pipeline)."""
+    if not setup.fsdp:
+        return {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
+    dense = _fsdp_params(stages, setup)
+    sharded = dense * (setup.fsdp_degree > 1)
+    return {
+        "all_gather": 2 * microbatches * sharded * setup.compute_bytes,
+        "reduce_scatter": microbatches * sharded * setup.reduce_bytes,
+        "all_reduce": microbatches * dense / setup.fsdp_degree * setup.reduce_bytes if setup.replicas > 1 else 0.0,
+    }
+
+
 def tp_traffic_bytes(stages: list[StageShape], setup: Setup, microbatches: int) -> dict[str, float]:
     """Bytes one TP rank all-gathers and reduce-scatters per step for sequence parallelism, over
     the `microbatches` (K x m) each stage runs per step, each collective counted as its full

@@ -30,8 +30,23 @@ rank gives each 1/v):
   spans, spread over the rank's FSDP units (blocks, the embedding, norm + output head) and
   overlapped unit by unit with the first forward after a reduction (gather) and the backward
   that completes one (reduction), as `pipeline.simulation` models them (PACI's gathers of
-  predicted weights, two per forward, are spread over its reductions alike). TP's collectives are
-  left to the MFU.
+  predicted weights, two per forward, are spread over its reductions alike). A group spans the
+  inter-node link as soon as its consecutive GPUs (TP innermost, then CP, FSDP, replicas) cross a
+  node: the FSDP group's TP x CP x FSDP GPUs, the replica group's every GPU of the pipeline rank.
+- TP's collectives: per block and microbatch the activation all-gathers and reduce-scatters of
+  sequence parallelism as `memory.tp_traffic_bytes` counts them (forward 2 + 2, backward 2 + 2,
+  recomputation repeats the forward's; without sequence parallelism the all-reduces, costed as
+  their reduce-scatter and all-gather halves), each a ring collective moving (tp - 1) / tp of the
+  (tokens x dim) activation over the intra-node link when the TP group fits on a node, else the
+  inter-node link, added to the forward and backward, not overlapped (`tp_seconds`).
+
+Without a pipeline (pipeline degree 1, `simulate_data_parallel`) one step is K microbatches (the
+local batch, gradient accumulation over K = global batch / (local batch x data ranks)) on the one
+rank, the same costs as a pipeline rank holding every stage: FSDP2 reshards after each forward, so
+each microbatch gathers the weights before its forward (overlapped with it unit by unit) and again
+in its backward, and reduce-scatters (and all-reduces across replicas) after it (torchtitan keeps
+gradient sync on through accumulation), the backward's collectives overlapped with the backward as
+above; then the optimizer step (`memory.data_parallel_traffic_bytes`).
 """
 
 from __future__ import annotations
@@ -48,8 +63,10 @@ from titan_async.cluster.memory import (
     Setup,
     StageShape,
     expert_newton_schulz,
+    data_parallel_traffic_bytes,
     fsdp_traffic_bytes,
     reductions_per_step,
+    tp_traffic_bytes,
 )
 from titan_async.config.run_config import RunConfig, load_run_config
 from titan_async.core.errors import UserError
@@ -57,7 +74,7 @@ from titan_async.optim.muon_cost import StageCost, stage_costs
 from titan_async.optim.routing import route_parameters
 from titan_async.pipeline.config import accumulation_steps, microbatches
 from titan_async.pipeline.schedules import SCHEDULE_NAMES, STREAMING_SCHEDULES, streaming_schedule
-from titan_async.pipeline.simulation import Collectives, Costs, Link, compare, costs_from_trace
+from titan_async.pipeline.simulation import Collectives, Costs, Link, compare, costs_from_trace, one_f_one_b, simulate_synchronous
 from titan_async.pipeline.trace import draw_gantts
 
 SPLIT_COST = {False: 1.03, True: 2.14}
@@ -101,13 +118,19 @@ def _links(options: SimulationOptions) -> tuple[Link, Link]:
     return Link(INTRA_NODE_LATENCY, options.intra_node_gbps * 1e9), Link(INTER_NODE_LATENCY, options.inter_node_gbps * 1e9)
 
 
+def microbatch_sequences(run: RunConfig, layout: Layout) -> int:
+    """Sequences of one forward-backward pass: a pipeline microbatch, or without a pipeline the local batch."""
+    pipelined = layout.pp > 1 or layout.emulated
+    return run.parallelism.pipeline_parallel_microbatch_size if pipelined else run.training.local_batch_size
+
+
 def _stage_costs(run: RunConfig, layout: Layout, model: torch.nn.Module, setup: Setup) -> list[StageCost]:
     """`muon_cost.stage_costs` of every stage of `layout` over the Muon group: training FLOPs of one
     microbatch, Newton-Schulz FLOPs and received bytes of the busiest owner per optimizer step."""
     return stage_costs(
         route_parameters(model), layout.stage_modules, fsdp=setup.muon_group, ns_steps=setup.ns_steps,
         ns_dtype=getattr(torch, setup.ns_dtype), state_bytes=setup.param_bytes,
-        tokens=run.parallelism.pipeline_parallel_microbatch_size * run.training.seq_len,
+        tokens=microbatch_sequences(run, layout) * run.training.seq_len,
         seq_len=run.training.seq_len, dim=setup.dim,
     )
 
@@ -147,12 +170,32 @@ def recomputed_flops(training_flops: float, layers: int, setup: Setup, tokens: i
     return 0.0
 
 
+def tp_link(setup: Setup, cluster: Cluster, options: SimulationOptions) -> Link:
+    """The link TP's collectives cross: intra-node when the TP group (consecutive ranks) fits on a node."""
+    intra, inter = _links(options)
+    return intra if setup.tp <= cluster.gpus_per_node else inter
+
+
+def tp_seconds(stages: list[StageShape], setup: Setup, cluster: Cluster, options: SimulationOptions) -> tuple[float, float]:
+    """Seconds of TP's collectives in one microbatch's forward and backward on a rank holding
+    `stages` (module docstring): `tp_traffic_bytes` of one microbatch, the forward's half of
+    those without recomputation and the backward the rest, each ring collective moving
+    (tp - 1) / tp of its tensor over `tp_link`; 0 without TP."""
+    if setup.tp < 2:
+        return 0.0, 0.0
+    ring = replace(setup, sequence_parallel=True, tokens=setup.tokens * setup.gathered // setup.tp)
+    total = sum(tp_traffic_bytes(stages, ring, 1).values())
+    forward = sum(tp_traffic_bytes(stages, replace(ring, activation_checkpoint="none"), 1).values()) / 2
+    seconds = (setup.tp - 1) / setup.tp / tp_link(setup, cluster, options).bandwidth
+    return forward * seconds, (total - forward) * seconds
+
+
 def rank_costs(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes: list[StageShape], setup: Setup,
                cluster: Cluster, options: SimulationOptions) -> Costs:
     """The simulation's costs of every pipeline rank of `layout` (module docstring)."""
     p = run.parallelism
     split = setup.tp * p.context_parallel_degree
-    tokens = p.pipeline_parallel_microbatch_size * run.training.seq_len
+    tokens = microbatch_sequences(run, layout) * run.training.seq_len
     stages = _stage_costs(run, layout, model, setup)
     exchange_seconds = muon_exchange_seconds(run, layout, stages, setup, cluster, options)
     muon = run.optimizer.name == "muon"
@@ -169,8 +212,9 @@ def rank_costs(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes: l
         recompute = recomputed_flops(flops, sum(s.layers for s in mine), setup, tokens) / (split * options.flops_per_s)
         flops /= split * options.flops_per_s
         exchange = all_to_all_bytes(mine, setup, microbatches=1) / ep_link.bandwidth / (4 + 2 * recomputed)
-        forward.append(flops / 3 + 2 * exchange)
-        backward.append(2 * flops / 3 + recompute + (2 + 2 * recomputed) * exchange)
+        tp_forward, tp_backward = tp_seconds(mine, setup, cluster, options)
+        forward.append(flops / 3 + 2 * exchange + tp_forward)
+        backward.append(2 * flops / 3 + recompute + (2 + 2 * recomputed) * exchange + tp_backward)
         if not muon:
             newton_schulz = 0
         elif setup.num_experts:
@@ -237,6 +281,63 @@ def rank_collectives(name: str, layout: Layout, shapes: list[StageShape], setup:
     return tuple(ranks)
 
 
+def data_parallel_name(setup: Setup) -> str:
+    """The row name of a layout without a pipeline: FSDP, HSDP (FSDP groups replicated), DDP
+    (replicas of whole weights), TP alone or one GPU."""
+    sharded = setup.fsdp and setup.fsdp_degree > 1
+    if setup.replicas > 1:
+        return "HSDP" if sharded else "DDP"
+    return "FSDP" if sharded else "TP" if setup.tp > 1 else "one GPU"
+
+
+def data_parallel_collectives(layout: Layout, shapes: list[StageShape], setup: Setup, cluster: Cluster,
+                              options: SimulationOptions) -> Collectives:
+    """A rank's collectives per microbatch without a pipeline (`data_parallel_traffic_bytes` of
+    one microbatch) as ring collectives over the link each group spans, as `rank_collectives`
+    costs them: the forward's gather before it; the backward's gather, reduce-scatter and
+    replica all-reduce after it, on one stream."""
+    intra, inter = _links(options)
+    fsdp_link = intra if setup.weight_shards * setup.tp <= cluster.gpus_per_node else inter
+    replica_link = intra if cluster.world_size <= cluster.gpus_per_node else inter
+    f, r = setup.fsdp_degree, setup.replicas
+    moved = data_parallel_traffic_bytes(shapes, setup, 1)
+    gather = moved["all_gather"] / 2 * (f - 1) / f / fsdp_link.bandwidth
+    return Collectives(
+        gather=gather,
+        reduce=gather + moved["reduce_scatter"] * (f - 1) / f / fsdp_link.bandwidth
+        + moved["all_reduce"] * 2 * (r - 1) / r / replica_link.bandwidth,
+        units=sum(fsdp_units(shape) for shape in shapes),
+    )
+
+
+def simulate_data_parallel(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes: list[StageShape], setup: Setup,
+                           cluster: Cluster, options: SimulationOptions, tokens_per_step: int,
+                           memory: dict[str, dict[str, Any] | str] | None = None) -> dict[str, Any]:
+    """The "simulation" part of a plan without a pipeline (module docstring): one row, named by
+    `data_parallel_name`, the K microbatches of a step as K flushes of one forward and backward
+    on one rank (`pipeline.simulation.simulate_synchronous`), each gathering before its forward
+    and reducing after its backward (`data_parallel_collectives`)."""
+    name = data_parallel_name(setup)
+    collectives = data_parallel_collectives(layout, shapes, setup, cluster, options)
+    costs = replace(rank_costs(run, layout, model, shapes, setup, cluster, options), collectives=(collectives,))
+    result = simulate_synchronous(name, one_f_one_b(1, 1), costs, flushes=layout.accumulation_steps)
+    exchange = muon_exchange_seconds(run, layout, _stage_costs(run, layout, model, setup), setup, cluster, options)
+    seconds = {name: (collectives.gather + collectives.reduce) * layout.accumulation_steps}
+    assumptions = flop_assumptions(options, costs, seconds, exchange, muon_link(setup, cluster, options))
+    assumptions[-2:] = [
+        f"{name} without a pipeline: {layout.accumulation_steps} microbatch(es) of {microbatch_sequences(run, layout)} "
+        f"sequence(s) per step; FSDP reshards after each forward: a gather before each forward, another in each backward "
+        f"with the reduce-scatter and replica all-reduce, {_ms(tuple(seconds.values()))} ms per step, each overlapped unit "
+        "by unit with that forward or backward; only what that compute cannot hide delays the step",
+    ]
+    if memory is not None:
+        assumptions.append(memory_assumption(cluster))
+    row = {"name": name, "step_seconds": result.step_time, "tokens_per_second": tokens_per_step / result.step_time,
+           "bubble": list(result.bubble), "vs_1f1b": 1.0, "vs_best_synchronous": 1.0, "collective_seconds": seconds[name],
+           "streaming": False, "selected": True, **_memory_of(memory, name)}
+    return {"schedules": [row], "skipped": {}, "costs": asdict(costs), "assumptions": assumptions}
+
+
 def simulate_plan(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes: list[StageShape], setup: Setup,
                   cluster: Cluster, options: SimulationOptions, tokens_per_step: int,
                   memory: dict[str, dict[str, Any] | str] | None = None) -> dict[str, Any]:
@@ -244,8 +345,16 @@ def simulate_plan(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes
     ratios, the schedules torch could not build, and the assumptions in words. With `memory`
     (`schedule_memory.schedule_memory`), each schedule's row carries its busiest rank's memory
     under "memory" (None, and why under "memory_note", where it could not be estimated)."""
+    if layout.pp < 2 and layout.emulated:
+        raise UserError(f"{run.source}: --simulate needs parallelism.pipeline_parallel_degree >= 2 or no emulated stages")
     if layout.pp < 2:
-        raise UserError(f"{run.source}: --simulate needs parallelism.pipeline_parallel_degree >= 2")
+        if options.costs_from:
+            raise UserError(f"--costs-from {options.costs_from}: traced costs are those of pipeline ranks; "
+                            "without a pipeline (parallelism.pipeline_parallel_degree = 1) simulate from FLOPs")
+        if setup.num_experts:
+            raise UserError(f"{run.source}: --simulate without a pipeline (parallelism.pipeline_parallel_degree = 1) "
+                            "covers dense models so far")
+        return simulate_data_parallel(run, layout, model, shapes, setup, cluster, options, tokens_per_step, memory)
     if layout.microbatches < layout.pp:
         raise UserError(f"{run.source}: --simulate compares every schedule with 1F1B, which needs at least as many microbatches "
                         f"per flush as stages: training.local_batch_size / parallelism.pipeline_parallel_microbatch_size = "
@@ -336,8 +445,9 @@ def flop_assumptions(options: SimulationOptions, costs: Costs, collectives: dict
         f"compute at MFU {options.mfu:g} of {options.peak_tflops:g} TFLOP/s per GPU: 6 x matmul weights x tokens + "
         f"causal attention, forward:backward 1:2 (a split backward: I and W half each of {costs.split_cost:g} x the "
         f"backward, as torch's split measured on {'compiled' if costs.split_cost > 1.5 else 'eager'} blocks), "
-        "full recomputation adds a forward, selective every second matmul of each block (wo, w3); TP collectives are "
-        "inside the MFU",
+        "full recomputation adds a forward, selective every second matmul of each block (wo, w3); TP's activation "
+        "collectives (sequence parallelism's all-gathers and reduce-scatters) as ring collectives over the link the TP "
+        "group spans, not overlapped",
         f"per microbatch and pipeline rank, forward {_ms(costs.forward)} ms, backward {_ms(costs.backward)} ms; "
         f"optimizer step {_ms(costs.optimizer)} ms (Newton-Schulz FLOPs of the busiest Muon owner at the same MFU + "
         f"element-wise passes at {HBM_BYTES_PER_S / 1e12:g} TB/s"

@@ -13,6 +13,7 @@ from titan_async.cluster.advise import advise, draw
 from titan_async.commands.plan.dry_run import ESTIMATE_ONLY_NOTE, NOT_BUILT_NOTE, dry_run
 from titan_async.cluster.estimate import (
     Cluster,
+    Estimate,
     check_world_size,
     communication,
     estimate,
@@ -23,8 +24,8 @@ from titan_async.cluster.memory import compare_schedules, gib
 from titan_async.cluster.balance import balanced_split, gains, with_split
 from titan_async.commands.plan.render import advice_text, print_plan
 from titan_async.commands.plan.staleness import staleness_report, staleness_text
-from titan_async.cluster.schedule_memory import schedule_memory
-from titan_async.cluster.simulate import SimulationOptions, simulate_plan
+from titan_async.cluster.schedule_memory import busiest, schedule_memory
+from titan_async.cluster.simulate import SimulationOptions, data_parallel_name, simulate_plan
 from titan_async.config.assemble import plain_parameters, resolve_vocab_size
 from titan_async.config.run_config import RunConfig
 from titan_async.core.errors import UserError
@@ -68,7 +69,7 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True, simulation: Si
     t = run.training
     tokens_per_step = t.local_batch_size * t.seq_len * run.data_parallel_degree(cluster.world_size) * layout.accumulation_steps
     simulated = simulation and simulate_plan(run, layout, model.module, shapes, setup, cluster, simulation, tokens_per_step,
-                                             schedule_memory(run, cluster, planned, list(SCHEDULE_NAMES), gpu))
+                                             simulated_memory(run, cluster, planned, gpu))
     schedules = compare_schedules(layout.pipeline_stages(), layout.microbatches, layout.accumulation_steps)
     for entry in schedules:
         entry["selected"] = entry["name"].lower() == layout.schedule.lower() and layout.pipeline_stages() > 1
@@ -124,6 +125,14 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True, simulation: Si
     }
 
 
+def simulated_memory(run: RunConfig, cluster: Cluster, planned: Estimate, gpu: bool = True) -> dict[str, dict[str, Any] | str]:
+    """The memory of every row `simulate_plan` gives: each schedule's (`schedule_memory`), or
+    without a pipeline the config's own under its one row's name (`data_parallel_name`)."""
+    if planned.layout.pp == 1 and not planned.layout.emulated:
+        return {data_parallel_name(planned.setup): busiest(planned, cluster.gpu_memory)}
+    return schedule_memory(run, cluster, planned, list(SCHEDULE_NAMES), gpu)
+
+
 def _check_mixture_of_experts(run: RunConfig) -> None:
     """UserError, one line naming the key, for what `plan` does not estimate for MoE models yet:
     tensor parallelism (the streaming schedules refuse it too). Expert parallelism is estimated
@@ -175,10 +184,11 @@ def advice_simulator(simulation: SimulationOptions) -> Callable[[RunConfig, Clus
         planned = estimate_model(run, cluster, vocab, models[vocab, fsdp])
         layout, t = planned.layout, run.training
         tokens = t.local_batch_size * t.seq_len * run.data_parallel_degree(cluster.world_size) * layout.accumulation_steps
-        memory = schedule_memory(run, cluster, planned, list(SCHEDULE_NAMES))
+        memory = simulated_memory(run, cluster, planned)
         return {
             "layout": {"pipeline_parallel": layout.pp, "microbatches": layout.microbatches,
-                       "accumulation_steps": layout.accumulation_steps},
+                       "accumulation_steps": layout.accumulation_steps, "data_parallel_shard": layout.fsdp},
+            "parameters": sum(p.numel() for p in planned.model.module.parameters()),
             "fits": all(row["fits"] for row in planned.rows),
             "simulation": simulate_plan(run, layout, planned.model.module, planned.shapes, planned.setup, cluster,
                                         simulation, tokens, memory),

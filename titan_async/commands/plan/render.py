@@ -250,45 +250,68 @@ def balance_advice(balance: dict[str, Any]) -> str:
 
 
 def advice_text(advice: dict[str, Any]) -> str:
-    """`plan --gpu-counts`' tables (the best schedules per GPU count; every schedule at its fastest
-    fitting setting), why a schedule fits no setting, and the GPU counts left out."""
+    """`plan --gpu-counts`' tables: each kind of layout's best (least time to the synchronous run's
+    final loss) per GPU count with the recommended one marked, the fastest by tokens/s alone where
+    it differs; every layout's best schedule, or why it has none; the GPU counts left out."""
     points = advice["points"]
     summary = Table(
-        f"Schedules by GPU count ({advice['tokens_per_step']:,} tokens per step at each; every schedule at its fastest "
-        f"setting that fits {advice['gpu_memory_bytes'] / 2**30:g} GiB, ac: activation checkpointing, mb: microbatch "
-        "size; m/p: microbatches per step over pipeline ranks at that setting; gain: the best streaming schedule over "
-        "the best synchronous one; fits: the config's schedule at the config's setting)",
-        ["GPUs", "recommended", "setting", "m/p", "tokens/s", "best synchronous", "setting", "tokens/s", "gain", "fits"],
-        [[str(p["gpus"]), *_advised(p, p["recommended"]), *_advised(p, p["best_synchronous"])[:2],
-          _tokens(p, p["best_synchronous"]), f"{p['streaming_gain']:.3f}x" if p["streaming_gain"] else "-",
-          {True: "yes", False: "no", None: "-"}[p["config_schedule_fits"]]] for p in points],
+        f"Layouts by GPU count ({advice['tokens_per_step']:,} tokens per step at each, {advice['steps']:,} steps; "
+        f"each layout's schedules at their fastest setting that fits {advice['gpu_memory_bytes'] / 2**30:g} GiB, ac: "
+        "activation checkpointing, mb: microbatch size (no pipeline: sequences per forward); efficiency: tokens of the "
+        "synchronous run per token to reach its final loss; hours: to that loss, steps x tokens per step / (tokens/s x "
+        "efficiency), ranges from the law's)",
+        ["GPUs", "kind", "layout", "schedule", "setting", "tokens/s", "efficiency", "hours", ""],
+        [[str(p["gpus"]), kind, *_row(p["best"][kind], p["recommended"])] for p in points for kind in p["best"]],
     )
-    names = list(dict.fromkeys(name for p in points for name in [*p["tokens_per_second"], *p["unfit"]]))
     every = Table(
-        "Every schedule (tokens/s, setting; -: no setting fits or torch cannot build it, below)",
-        ["schedule", *(f"{p['gpus']} GPUs" for p in points)],
-        [[name, *(f"{_tokens(p, name)} {_short(p, name)}".strip() for p in points)] for name in names],
+        "Every layout (its best schedule; -: none fits, below)",
+        ["GPUs", "kind", "layout", "schedule", "setting", "tokens/s", "efficiency", "hours"],
+        [[str(p["gpus"]), layout["kind"], layout["layout"], *_row(_best_row(layout), None)[1:-1]]
+         for p in points for layout in p["layouts"]],
     )
-    unfit = [f"{p['gpus']} GPUs, {name}: {why}" for p in points for name, why in p["unfit"].items()]
+    fastest = [f"{p['gpus']} GPUs, by tokens/s alone: {_named(p['fastest'])}, {p['fastest']['tokens_per_second']:,.0f} tokens/s, "
+               f"{_hours(p['fastest'])} h" for p in points if not _same(p["fastest"], p["recommended"])]
+    unfit = [f"{p['gpus']} GPUs, {layout['layout']}: {layout['reason']}" for p in points for layout in p["layouts"] if "reason" in layout]
     skipped = [f"{s['gpus']} GPUs left out: {s['reason']}" for s in advice["skipped"]]
-    return "\n".join([_plain(summary), "", _plain(every), *unfit, *skipped])
+    return "\n".join([_plain(summary), *fastest, *advice["notes"], "", _plain(every), *unfit, *skipped])
 
 
-def _advised(point: dict[str, Any], name: str | None) -> list[str]:
-    """A schedule's name, setting, m/p and tokens/s at one GPU count; `-` without one."""
-    if name is None:
-        return ["none fits", "-", "-", "-"]
-    chosen = point["settings"][name]
-    return [name, chosen["setting"], f"{chosen['m_over_p']:g}", _tokens(point, name)]
+def _best_row(layout: dict[str, Any]) -> dict[str, Any] | str:
+    if "reason" in layout:
+        return "-"
+    return {"layout": layout["layout"], "schedule": layout["best"], **layout["settings"][layout["best"]]}
 
 
-def _tokens(point: dict[str, Any], name: str | None) -> str:
-    return f"{point['tokens_per_second'][name]:,.0f}" if name in point["tokens_per_second"] else "-"
+def _row(row: dict[str, Any] | str, recommended: dict[str, Any] | None) -> list[str]:
+    """Layout, schedule, setting, tokens/s, efficiency and hours of a row of the advice, and a mark
+    when it is the recommended one; a reason (a kind none of whose layouts fits) in one cell."""
+    if isinstance(row, str):
+        return ["-", "-", "-", "-", "-", "-", ""]
+    schedule = row["schedule"] if row["schedule"] not in ("FSDP", "HSDP", "DDP", "TP", "one GPU") else "-"
+    if row["efficiency"] is None:
+        efficiency = "unknown"
+    elif row["efficiency_low"] == row["efficiency_high"]:
+        efficiency = f"{row['efficiency']:g}"
+    else:
+        efficiency = f"{row['efficiency']:.3f} ({row['efficiency_low']:.3f}-{row['efficiency_high']:.3f})"
+    return [row["layout"], schedule, row["setting"], f"{row['tokens_per_second']:,.0f}", efficiency, _hours(row),
+            "<- recommended" if _same(row, recommended) else ""]
 
 
-def _short(point: dict[str, Any], name: str) -> str:
-    chosen = point["settings"].get(name)
-    return f"({chosen['activation_checkpoint']}, mb {chosen['microbatch_size']})" if chosen else ""
+def _hours(row: dict[str, Any]) -> str:
+    if row["hours"] is None:
+        return "unknown"
+    if row["hours_low"] == row["hours_high"]:
+        return f"{row['hours']:,.1f}"
+    return f"{row['hours']:,.1f} ({row['hours_low']:,.1f}-{row['hours_high']:,.1f})"
+
+
+def _named(row: dict[str, Any]) -> str:
+    return f"{row['layout']}, {row['schedule']} ({row['setting']})"
+
+
+def _same(row: dict[str, Any] | None, other: dict[str, Any] | None) -> bool:
+    return bool(row and other) and (row["layout"], row["schedule"]) == (other["layout"], other["schedule"])
 
 
 def _plain(table: Table) -> str:
