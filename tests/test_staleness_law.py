@@ -126,7 +126,8 @@ def test_the_fit_leaves_out_points_without_a_measurable_cost_and_fixes_an_expone
     law = replace(LAW, coefficients={**LAW.coefficients, "muon+ef": -0.01})  # EF more than closes Muon's gap
     fit = scaling.fit_law(scaling.measure(_synthetic_record(cells, law, slope=0.2), cells), "synthetic")
     assert [(p.optimizer, p.corrector) for p, _ in fit.excluded] == [("muon", "ef")] * 2
-    assert "muon+ef" not in fit.law.coefficients
+    assert fit.law.coefficients["muon+ef"] == 0.0
+    assert staleness.estimate("muon", "ef", 1000, 279_104, fit.law).efficiency == 1.0
     assert fit.law.parameters_exponent == 0.0
     assert fit.law.steps_exponent == pytest.approx(0.5)
 

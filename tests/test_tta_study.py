@@ -4,6 +4,7 @@ target are `titan-async compare`'s."""
 from __future__ import annotations
 
 import csv
+import math
 import json
 import subprocess
 import sys
@@ -48,3 +49,31 @@ def test_tta_study_trains_two_arms_and_tabulates_compares_time_to_target(tmp_pat
     recorded = (out / "configs" / "1F1B-adamw-seed0.toml").read_text()
     assert recorded.startswith("# resolved from train_configs/debug_cpu_pp2.toml\n") and str(REPO) not in recorded
     assert len(list(out.glob("*.png"))) == 6
+
+
+def test_the_predicted_speedup_is_the_simulated_tokens_ratio_times_the_laws_efficiency():
+    sys.path.insert(0, str(REPO / "tools"))
+    import tta_predicted
+
+    from titan_async.cluster.staleness import Law
+
+    law = Law({"muon+none": 0.2, "muon+ef": 0.05}, 0.5, 0.0, 1.5, (350, 5460), (279_104, 541_536), "test")
+    def arm(name, tokens, speedups):
+        return {"arm": name, "mean_tokens_per_s": tokens, "seeds": {str(i): {"speedup": s} for i, s in enumerate(speedups)}}
+
+    measured = {"table": [arm("1F1B-muon", 1000, [1.0, 1.0]), arm("PipeDream2BW-muon", 1300, [None, 1.2]),
+                          arm("Interleaved1F1B-muon-ef", 1100, [1.1, 1.3]), arm("PACI-muon-ef", 1250, [1.4, 1.5]),
+                          arm("PACI-adamw", 1250, [None, None])]}
+    plan = {"model": {"parameters": 6_000_000},
+            "simulation": {"schedules": [{"name": "1F1B", "tokens_per_second": 2000}, {"name": "Interleaved1F1B", "tokens_per_second": 2200},
+                                         {"name": "PipeDream2BW", "tokens_per_second": 2400}, {"name": "PACI", "tokens_per_second": 2500}]}}
+    rows = {r["arm"]: r for r in tta_predicted.predict(measured, plan, 250, law)}
+    assert set(rows) == {"1F1B-muon", "PipeDream2BW-muon", "Interleaved1F1B-muon-ef", "PACI-muon-ef"}  # Muon arms only
+    # ln(1/eta) = c x (250 / 1000)^-0.5 = 2c; the range divides and multiplies it by 1.5
+    assert rows["PipeDream2BW-muon"]["predicted_speedup"] == pytest.approx(1.2 * math.exp(-0.4))
+    assert rows["PipeDream2BW-muon"]["predicted_speedup_range"] == pytest.approx([1.2 * math.exp(-0.6), 1.2 * math.exp(-0.4 / 1.5)])
+    assert rows["PipeDream2BW-muon"]["measured_speedup"] == 1.2  # the seed that reached the target
+    assert rows["PACI-muon-ef"]["measured_over_predicted"] == pytest.approx(1.45 / (1.25 * math.exp(-0.1)))
+    assert rows["Interleaved1F1B-muon-ef"]["token_efficiency"] == 1.0
+    assert rows["Interleaved1F1B-muon-ef"]["measured_tokens_per_s_ratio"] == pytest.approx(1.1)
+    assert "steps 250 lie outside" in rows["PACI-muon-ef"]["extrapolated"][0]

@@ -402,7 +402,8 @@ class Fit:
 def fit_law(points: list[Point], source: str) -> Fit:
     """Least squares of ln(ln(1 / eta)) = ln c[optimizer+corrector] - a ln(steps / 1000) - b
     ln(parameters / 1e6) over the points with a positive mean ln(1 / eta); an exponent whose
-    regressor takes one value among them is not identified and is fixed at 0."""
+    regressor takes one value among them is not identified and is fixed at 0. An optimizer and
+    corrector none of whose points shows a cost gets c = 0 (efficiency 1)."""
     used = [p for p in points if p.mean > 0]
     excluded = [(p, f"ln(1/eta) = {p.mean:+.4f}: no measurable cost") for p in points if p.mean <= 0]
     groups = sorted({f"{p.optimizer}+{p.corrector}" for p in used})
@@ -416,7 +417,9 @@ def fit_law(points: list[Point], source: str) -> Fit:
     exponents = {name: 0.0 for name in regressors} | dict(zip(identified, solution[len(groups):]))
     residuals = list(target - design @ solution)
     total = float(((target - target.mean()) ** 2).sum())
-    law = Law({g: math.exp(c) for g, c in zip(groups, solution)}, float(exponents["steps"]), float(exponents["parameters"]),
+    costless = {f"{p.optimizer}+{p.corrector}" for p, _ in excluded} - set(groups)
+    law = Law({**{g: math.exp(c) for g, c in zip(groups, solution)}, **dict.fromkeys(costless, 0.0)},
+              float(exponents["steps"]), float(exponents["parameters"]),
               math.exp(max(abs(r) for r in residuals)),
               (min(p.steps for p in used), max(p.steps for p in used)),
               (min(p.cell.regime.parameters for p in used), max(p.cell.regime.parameters for p in used)), source,
