@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from titan_async.experiments import staleness_runs
+
 REPO = Path(__file__).resolve().parent.parent
 _PATH = REPO / "tools" / "staleness_study.py"
 _SPEC = importlib.util.spec_from_file_location("staleness_study", _PATH)
@@ -180,7 +182,7 @@ def test_the_recorded_study_configs_name_their_source_relative_to_the_repository
 
 def test_tokens20_regime_trains_20_tokens_per_parameter():
     regime = study.REGIMES["tokens20"]
-    assert regime.parameters == study.dense_parameters(64, 4, 512, 64) == 279_104  # the trainer's count
+    assert regime.parameters == staleness_runs.dense_parameters(64, 4, 512, 64) == 279_104  # the trainer's count
     assert regime.tokens == regime.steps * regime.seq_len * regime.batch
     step_tokens = regime.seq_len * regime.batch * regime.evaluations
     assert 20 * regime.parameters <= regime.tokens < 20 * regime.parameters + step_tokens
@@ -193,9 +195,9 @@ def test_the_moe_regime_trains_20_tokens_per_parameter_of_every_expert():
     """The trainer's counts (its optimizer table: Muon + AdamW rows, or AdamW's total) for 8
     experts of hidden size 48 and 96 (360,448 + 68,288 and 655,360 + 68,288) and for the regime's
     4 of hidden size 48 (280,256)."""
-    assert study.moe_parameters(64, 4, 4, 512, 8, 48) == 428_736
-    assert study.moe_parameters(64, 4, 4, 512, 8, 96) == 723_648
-    assert study.moe_parameters(64, 4, 4, 512, 4, 48) == 280_256
+    assert staleness_runs.moe_parameters(64, 4, 4, 512, 8, 48) == 428_736
+    assert staleness_runs.moe_parameters(64, 4, 4, 512, 8, 96) == 723_648
+    assert staleness_runs.moe_parameters(64, 4, 4, 512, 4, 48) == 280_256
     moe = study.regime_of(study.parse_args(["--regime", "tokens20", "--moe"]))
     assert moe.parameters == 280_256
     assert 20 * moe.parameters <= moe.tokens < 20 * moe.parameters + moe.seq_len * moe.batch * moe.evaluations

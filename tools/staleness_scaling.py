@@ -35,10 +35,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from staleness_study import Arm, Regime, Settings, best_lr, job, load_curves
 from titan_async.cluster import staleness
 from titan_async.cluster.staleness import LAW_FILE, Law
 from titan_async.experiments.jobs import ROOT, git_state, record_config, run_job
+from titan_async.experiments.staleness_runs import Arm, Regime, Settings, best_lr, job, load_curves
 
 OUT = ROOT / "docs" / "results" / "staleness_scaling"
 RECORD = OUT / "runs.jsonl"
