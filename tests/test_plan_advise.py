@@ -233,6 +233,9 @@ def test_the_law_decides_between_the_streaming_schedule_and_the_synchronous_layo
     by_time = min(rows, key=lambda row: row["hours"])
     recommended = point["recommended"]
     assert (recommended["layout"], recommended["schedule"]) == (by_time["layout"], by_time["schedule"])
+    for side, chosen in ((True, point["best_streaming"]), (False, point["best_synchronous"])):
+        mine = min((row for row in rows if (row["schedule"] in STREAMING_SCHEDULES) == side), key=lambda row: row["hours"])
+        assert (chosen["layout"], chosen["schedule"]) == (mine["layout"], mine["schedule"])
     if coefficient > 1:
         assert recommended["schedule"] not in STREAMING_SCHEDULES
         assert point["fastest"]["schedule"] == fastest["schedule"]

@@ -306,7 +306,8 @@ def advise_gpu_count(run: RunConfig, sequences: int, cluster: Cluster, simulate:
     """Every layout of `candidates` on `cluster` (`advise_point`, each schedule with its
     `time_to_target`; `goal(parameters)` the target), each layout's best schedule, each kind's
     best layout ("best": kind -> row, or the reason none fits), the "recommended" row (least
-    time) and the "fastest" (most tokens/s)."""
+    time), the "fastest" (most tokens/s), and the best streaming and best synchronous rows over
+    every layout ("best_streaming", "best_synchronous"; no pipeline counts as synchronous)."""
     layouts = []
     for candidate in candidates(run, cluster.world_size, cluster.gpus_per_node):
         described = {"kind": candidate.kind, "layout": candidate.label(cluster.world_size, run.parallelism.context_parallel_degree),
@@ -333,11 +334,15 @@ def advise_gpu_count(run: RunConfig, sequences: int, cluster: Cluster, simulate:
         elif tried:
             best[kind] = "; ".join(f"{layout['layout']}: {layout['reason']}" for layout in tried)
     every = [row for layout in layouts if "reason" not in layout for row in _entries(layout)]
+    streaming = [row for row in every if row["schedule"] in STREAMING_SCHEDULES]
+    synchronous = [row for row in every if row["schedule"] not in STREAMING_SCHEDULES]
     return {
         "layouts": layouts,
         "best": best,
         "recommended": min(rows, key=lambda row: rank_key(row, aim)) if rows else None,
         "fastest": max(every, key=lambda row: row["tokens_per_second"]) if every else None,
+        "best_streaming": min(streaming, key=lambda row: rank_key(row, aim)) if streaming else None,
+        "best_synchronous": min(synchronous, key=lambda row: rank_key(row, aim)) if synchronous else None,
     }
 
 

@@ -269,11 +269,29 @@ def advice_text(advice: dict[str, Any]) -> str:
         [[str(p["gpus"]), layout["kind"], layout["layout"], *_row(_best_row(layout), None)[1:-1]]
          for p in points for layout in p["layouts"]],
     )
+    against = Table(
+        "Streaming against synchronous, in time to target (each the best over every layout; no pipeline counts as "
+        "synchronous; saving: the synchronous hours over the streaming ones)",
+        ["GPUs", "best streaming", "hours", "best synchronous", "hours", "saving"],
+        [[str(p["gpus"]), *_versus(p["best_streaming"]), *_versus(p["best_synchronous"]), _saving(p)] for p in points],
+    )
     fastest = [f"{p['gpus']} GPUs, by tokens/s alone: {_named(p['fastest'])}, {p['fastest']['tokens_per_second']:,.0f} tokens/s, "
                f"{_hours(p['fastest'])} h" for p in points if not _same(p["fastest"], p["recommended"])]
     unfit = [f"{p['gpus']} GPUs, {layout['layout']}: {layout['reason']}" for p in points for layout in p["layouts"] if "reason" in layout]
     skipped = [f"{s['gpus']} GPUs left out: {s['reason']}" for s in advice["skipped"]]
-    return "\n".join([_plain(summary), *fastest, *advice["notes"], "", _plain(every), *unfit, *skipped])
+    return "\n".join([_plain(summary), *fastest, *advice["notes"], "", _plain(against), "", _plain(every), *unfit, *skipped])
+
+
+def _versus(row: dict[str, Any] | None) -> list[str]:
+    return ["none fits", "-"] if row is None else [_named(row), _hours(row)]
+
+
+def _saving(point: dict[str, Any]) -> str:
+    """The best synchronous row's hours over the best streaming row's ("-" when either is missing or unknown)."""
+    streaming, synchronous = point["best_streaming"], point["best_synchronous"]
+    if not streaming or not synchronous or streaming["hours"] is None:
+        return "-"
+    return f"{synchronous['hours'] / streaming['hours']:.3f}x"
 
 
 def _best_row(layout: dict[str, Any]) -> dict[str, Any] | str:
