@@ -38,6 +38,10 @@ def test_the_law_evaluates_its_power_law_with_its_residual_range_and_names_what_
     assert "steps 100 lie outside" in staleness.estimate("adamw", "ef", 100, 1_000_000, LAW).extrapolated[0]
     with pytest.raises(KeyError):
         staleness.estimate("sgd", "none", 1000, 1_000_000, LAW)
+    paper = replace(LAW, out_of_sample_factors={"muon+none": 10.0})  # only an extrapolating prediction reaches the paper's
+    assert staleness.estimate("muon", "none", 4000, 16_000_000, paper).low == pytest.approx(math.exp(-0.5))
+    assert staleness.estimate("muon", "none", 4000, 16_000_000, paper).high == pytest.approx(math.exp(-0.025))
+    assert staleness.estimate("muon", "none", 4000, 1_000_000, paper).low == pytest.approx(math.exp(-0.2 * 0.5 * 2))
     wide = replace(LAW, range_factors={"muon+none": 4.0, "muon+ef": 1.2})  # the wider of the two factors counts
     assert staleness.estimate("muon", "none", 4000, 16_000_000, wide).low == pytest.approx(math.exp(-0.2))
     assert staleness.estimate("muon", "ef", 4000, 16_000_000, wide).low == pytest.approx(math.exp(-2 * 0.0125))
@@ -151,6 +155,18 @@ def test_the_study_trains_each_cells_sweep_first_and_grows_a_grid_whose_best_lr_
     assert after[-4:] == ["adamw-sync-seed1", "muon-sync-seed1", "adamw-delay1-seed1", "muon-delay1-seed1"]
 
 
+def test_the_out_of_sample_factor_is_how_far_the_law_undershoots_the_papers_points():
+    law = replace(LAW, parameters_exponent=0.0)
+    factors = scaling.out_of_sample_factors(law)
+    # 360M Muon: the paper's gap 0.012 on Chinchilla's slope at 7.2B tokens, against the law at
+    # sqrt(20,000 x 40,000) steps; the 10B MoE point (gap 0.005 at 200B tokens, 50,000 steps) is the other Muon one
+    dense = 0.012 / staleness.chinchilla_slope(7.2e9) / (0.2 * (math.sqrt(20_000 * 40_000) / 1000) ** -0.5)
+    moe = 0.005 / staleness.chinchilla_slope(200e9) / (0.2 * 50 ** -0.5)
+    assert factors["muon+none"] == pytest.approx(max(dense, moe), rel=1e-3)
+    assert factors["muon+predict"] == factors["muon+ef"]  # the paper trained no weight prediction
+    assert factors["adamw+none"] == pytest.approx(0.278 / staleness.chinchilla_slope(7.2e9) / (0.8 * 28.28 ** -0.5), rel=1e-3)
+
+
 def test_the_seeds_spread_widens_a_coefficients_range():
     cell = _cell("s", 64, 64)
     spread = scaling.Point(cell, "muon", "ef", {0: 0.04, 1: 0.01}, 1.0, 350)  # ln(1/eta) 0.04 and 0.01: sqrt(4)
@@ -181,7 +197,8 @@ def test_plan_staleness_predicts_each_correctors_cost_for_the_config():
 
 
 def test_plan_staleness_json_carries_the_shipped_laws_prediction(capsys):
-    status, out, _ = cli_in_process(capsys, "plan", "--config", str(CONFIGS / "10b_2bw_muon.toml"), "--staleness", "--json")
+    status, out, _ = cli_in_process(capsys, "plan", "--config", str(CONFIGS / "10b_2bw_muon.toml"), "--nodes", "8",
+                                    "--gpus-per-node", "8", "--staleness", "--json")
     assert status == 0
     plan = json.loads(out)
     found = plan["staleness"]

@@ -9,7 +9,8 @@ synchronous run's final loss, and its time to that loss is its step time x 1 / e
                                           x (parameters / 1e6) ** -parameters_exponent
 
 with its range a factor either way on ln(1 / eta) (`Law.range_factor`: the fit's residuals and the
-seed-to-seed spread of the optimizer and corrector's points). The loss
+seed-to-seed spread of the optimizer and corrector's points), widened on the pessimistic side to
+the paper's points (`Law.out_of_sample_factors`) wherever the prediction extrapolates. The loss
 gap at equal tokens follows from the synchronous loss's slope in log tokens, s = -dL/d ln D:
 gap = s x ln(1 / eta). The study's own slope is that of its tiny models and data set; for a run
 the slope is Chinchilla's (Hoffmann et al. 2022, L = E + A / N^alpha + B / D^beta, so
@@ -51,11 +52,16 @@ class Law:
     parameters: tuple[int, int]
     source: str
     range_factors: dict[str, float] = field(default_factory=dict)
+    out_of_sample_factors: dict[str, float] = field(default_factory=dict)
+    """By coefficient: how many times the law underestimates the paper's points (their ln(1 / eta)
+    over the law's at their steps and size, at least 1); an extrapolating prediction's pessimistic
+    end goes that far."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Law:
         return cls(dict(data["coefficients"]), data["steps_exponent"], data["parameters_exponent"], data["residual_factor"],
-                   tuple(data["steps"]), tuple(data["parameters"]), data["source"], dict(data.get("range_factors", {})))
+                   tuple(data["steps"]), tuple(data["parameters"]), data["source"], dict(data.get("range_factors", {})),
+                   dict(data.get("out_of_sample_factors", {})))
 
     def range_factor(self, optimizer: str, corrector: str) -> float:
         """The factor either way on ln(1 / eta) that bounds the prediction's range."""
@@ -93,7 +99,9 @@ class Estimate:
 
 def estimate(optimizer: str, corrector: str, steps: int, parameters: int, fitted: Law | None = None) -> Estimate:
     """The delay-1 token efficiency of `optimizer` (adamw, muon) with `corrector` (CORRECTORS)
-    after `steps` optimizer steps of a `parameters`-parameter model. Raises KeyError for an
+    after `steps` optimizer steps of a `parameters`-parameter model: the law's, within its range
+    factor either way; where the steps or parameters lie outside the studies', the pessimistic
+    end also reaches the paper's points (`Law.out_of_sample_factors`). Raises KeyError for an
     optimizer or corrector the studies did not train."""
     fitted = fitted or law()
     y = fitted.log_inefficiency(optimizer, corrector, steps, parameters)
@@ -103,7 +111,8 @@ def estimate(optimizer: str, corrector: str, steps: int, parameters: int, fitted
             notes.append(f"{what} {value:,} lie outside the studies' {low:,}..{high:,} "
                          f"({max(value / high, low / value):,.0f}x beyond)")
     f = fitted.range_factor(optimizer, corrector)
-    return Estimate(math.exp(-y), math.exp(-y * f), math.exp(-y / f), tuple(notes))
+    pessimistic = max(f, fitted.out_of_sample_factors.get(f"{optimizer}+{corrector}", 1.0)) if notes else f
+    return Estimate(math.exp(-y), math.exp(-y * pessimistic), math.exp(-y / f), tuple(notes))
 
 
 def corrector_of(error_feedback: bool, weight_prediction: float) -> str:
