@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     measured = json.loads((TTA / "results.json").read_text())
     config_file = TTA / "configs" / f"{BASELINE}-seed0.toml"
-    config = str(ROOT / "train_configs" / "debug_cpu_pp2.toml")
+    config = "train_configs/debug_cpu_pp2.toml"
     steps = tomllib.loads(config_file.read_text())["training"]["steps"]
     trace_dir = args.trace
     if trace_dir is None:

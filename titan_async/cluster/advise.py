@@ -396,8 +396,10 @@ def notes(run: RunConfig, goal: Target) -> list[str]:
 
 
 def draw(advice: dict[str, Any], path: Path) -> None:
-    """Hours to the synchronous run's final loss (tokens/s where the efficiency is unknown) of each
-    kind's best layout against the GPU count, each point labelled with its layout and schedule."""
+    """Each kind's best layout against the GPU count, as GPU-hours to the synchronous run's final
+    loss over those of the count's fastest layout by that measure (tokens/s over the fastest's where
+    the efficiency is unknown), with the pessimistic end of each streaming schedule's range as an
+    error bar; each point labelled with its schedule."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -406,21 +408,26 @@ def draw(advice: dict[str, Any], path: Path) -> None:
     points = advice["points"]
     timed = all(isinstance(row, str) or row["hours"] is not None
                 for point in points for row in point["best"].values())
-    value = "hours" if timed else "tokens_per_second"
     figure, axes = plt.subplots(figsize=(8, 5))
     for kind in KINDS:
-        mine = [(point["gpus"], point["best"][kind]) for point in points if isinstance(point["best"].get(kind), dict)]
+        mine = [(point, point["best"][kind]) for point in points if isinstance(point["best"].get(kind), dict)]
         if not mine:
             continue
-        axes.plot([g for g, _ in mine], [row[value] for _, row in mine], "-", marker="o", label=kind)
-        for gpus, row in mine:
-            axes.annotate(f"{row['layout']}\n{row['schedule']}", (gpus, row[value]), textcoords="offset points",
-                          xytext=(0, 6), ha="center", fontsize=6)
+        if timed:
+            ratios = [row["hours"] / point["recommended"]["hours"] for point, row in mine]
+            worst = [row["hours_high"] / point["recommended"]["hours"] - ratio for (point, row), ratio in zip(mine, ratios)]
+        else:
+            ratios = [row["tokens_per_second"] / point["fastest"]["tokens_per_second"] for point, row in mine]
+            worst = [0.0] * len(mine)
+        gpus = [point["gpus"] for point, _ in mine]
+        axes.errorbar(gpus, ratios, yerr=[[0.0] * len(mine), worst], fmt="-o", capsize=3, label=kind)
+        for x, ratio, (_, row) in zip(gpus, ratios, mine):
+            axes.annotate(row["schedule"], (x, ratio), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=6)
     axes.set_xscale("log", base=2)
-    axes.set_yscale("log")
     axes.set_xlabel("GPUs")
-    axes.set_ylabel("hours to the synchronous run's final loss" if timed else "tokens/s (efficiency unknown)")
-    axes.set_title(f"{advice['tokens_per_step']:,} tokens per step, {advice['steps']:,} steps, at every GPU count")
+    axes.set_ylabel("hours to the synchronous run's final loss / the best layout's" if timed else "tokens/s / the fastest's")
+    axes.set_title(f"{advice['tokens_per_step']:,} tokens per step, {advice['steps']:,} steps (error bars: the delay's pessimistic end)",
+                   fontsize=9)
     axes.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path)
