@@ -151,7 +151,8 @@ def test_the_study_trains_each_cells_sweep_first_and_grows_a_grid_whose_best_lr_
     record[grown.key] = scaling.entry_of(grown, grown.settings({}), [(350, 1.0)], 1.0, "synthetic")
     assert scaling.best_of(cell, record) == {"adamw": 0.012, "muon": 0.01}
     after = [r.name for r in scaling.pending([cell], record)]
-    assert after[:2] == ["adamw-delay1", "muon-delay1"] and "adamw-sync-budget0.5" in after
+    assert after[:4] == ["adamw-delay1", "muon-delay1", "adamw-sync-budget0.5", "muon-sync-budget0.5"]
+    assert after[6:8] == ["adamw-delay1-ef", "muon-delay1-ef"]
     assert after[-4:] == ["adamw-sync-seed1", "muon-sync-seed1", "adamw-delay1-seed1", "muon-delay1-seed1"]
 
 

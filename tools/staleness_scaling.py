@@ -208,14 +208,16 @@ def sweep_runs(cell: Cell, record: dict[str, dict]) -> tuple[list[Run], dict[str
 
 
 def cell_runs(cell: Cell, best: dict[str, float], extra_seeds: bool) -> list[Run]:
-    """The cell's runs at its best lrs, in order of use: the delayed arms at seed 0 (plain, EF,
-    prediction) and the budget runs; with `extra_seeds`, the synchronous and delayed arms at the
-    cell's other seeds instead."""
+    """The cell's runs at its best lrs, in order of use: the plain delayed arms at seed 0, the
+    budget runs (with them, the plain delay's token efficiency), then the corrected arms (EF,
+    prediction); with `extra_seeds`, the synchronous and delayed arms at the cell's other seeds
+    instead."""
     if extra_seeds:
         return [Run(cell, Arm(o, d, False, seed), best[o]) for seed in SEEDS_OF_CELL[cell.name][1:]
                 for d in (0, 1) for o in ("adamw", "muon")]
-    runs = [Run(cell, arm, best[arm.optimizer]) for arm in DELAYED]
-    return runs + [Run(cell, Arm(o, 0, False), best[o], budget) for budget in BUDGETS for o in ("adamw", "muon")]
+    budgets = [Run(cell, Arm(o, 0, False), best[o], budget) for budget in BUDGETS for o in ("adamw", "muon")]
+    return [Run(cell, arm, best[arm.optimizer]) for arm in DELAYED[:2]] + budgets + [
+        Run(cell, arm, best[arm.optimizer]) for arm in DELAYED[2:]]
 
 
 def pending(cells: list[Cell], record: dict[str, dict]) -> Iterator[Run]:
