@@ -1,0 +1,242 @@
+"""PipeDream-2BW's stashed versions of plain (unsharded) parameters (`training.gradient_delay`
+without PP, or a pipeline stage without FSDP), and their predicted variant."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from titan_async.pipeline.versions.common import preserved_versions
+
+
+class OneStepDelay:
+    """The batch bookkeeping both 2BW implementations share: batch t runs on version t, and
+    version b + 2 is computed from b + 1 once batch b's gradient is complete."""
+
+    def __init__(self, microbatches: int, sync_start: int = 0) -> None:
+        self.microbatches = microbatches
+        self.sync_start = sync_start
+        self.backwards = Counter()
+        self.updates = 0
+
+    def delay(self, microbatch: int, crossed: int) -> int:
+        """The staleness of a backward's gradient in optimizer steps: 0 in the synchronous
+        batches, 1 after (whatever updates it `crossed`: its version is stashed)."""
+        return int(microbatch // self.microbatches >= self.sync_start)
+
+    def before_forward(self, microbatch: int) -> None:
+        self.activate(microbatch // self.microbatches)
+
+    def before_backward(self, microbatch: int) -> None:
+        self.activate(microbatch // self.microbatches)
+
+    def after_forward(self, microbatch: int) -> None:
+        pass
+
+    def after_backward(self, microbatch: int) -> int | None:
+        """The batch whose gradient this backward completed, if it completed one."""
+        batch = microbatch // self.microbatches
+        self.backwards[batch] += 1
+        if self.backwards[batch] < self.microbatches:
+            return None
+        del self.backwards[batch]
+        return batch
+
+    def lr_steps_due(self) -> int:
+        """Learning-rate steps owed so far: one per batch applied (counting the one being applied)."""
+        return self.updates
+
+    def update_of_batch(self, batch: int) -> int:
+        """The number (1-based, as `updates` counts) of the update that applies batch `batch`."""
+        return batch + 1
+
+    def expose_latest(self, step: int) -> None:
+        """After `step` steps with nothing in flight, make the parameters hold the latest
+        weights, W[step] = U_{step+1}, for checkpoints and validation."""
+        self.activate(step + 1)
+
+    def step_of_update(self, update: int) -> int:
+        """The step (1-based) that fed the batch update `update` applies."""
+        return update
+
+    def gathered_copy_bytes(self) -> int:
+        """Bytes of gathered (unsharded) weights kept beyond FSDP's own."""
+        return 0
+
+
+class TwoVersions(OneStepDelay):
+    """Two weight versions of plain parameters; batch t uses version t % 2 (module docstring).
+
+    Versions switch by pointing `param.data` at the other buffer (no copy; the live storage
+    is one of the two buffers)."""
+
+    switches_tensors = True
+    """Whether the model's tensors (parameters, buffers) change storage between versions: a
+    checkpoint must then read the model state live, not from a cache of its tensors."""
+
+    def __init__(self, params: list[torch.nn.Parameter], microbatches: int, sync_start: int = 0) -> None:
+        super().__init__(microbatches, sync_start)
+        self.params = params
+        self._both_live()
+
+    def _both_live(self) -> None:
+        """Until the first delayed update both versions are the live weights (W[-1] = W[0], or
+        U_N = U_{N+1} = W[N] after N synchronous batches). The buffer of version N + 1 is left
+        None and copied from the live weights when first needed, so weights loaded after
+        construction (checkpoint.initial_load_path) become both versions."""
+        self.active = self.sync_start % 2
+        self.buffers = [None, None]
+        self.buffers[self.active] = [p.data for p in self.params]
+
+    def _version(self, index: int) -> list[torch.Tensor]:
+        """Buffer `index`, copied from the live weights if it was left None (see __init__)."""
+        if self.buffers[index] is None:
+            self.buffers[index] = [p.data.clone() for p in self.params]
+        return self.buffers[index]
+
+    def activate(self, batch: int) -> None:
+        """Make every parameter hold the version batch `batch` uses (the live weights while synchronous)."""
+        index = batch % 2
+        if batch < self.sync_start or index == self.active:
+            return
+        self._version(self.active)
+        for param, tensor in zip(self.params, self._version(index)):
+            param.data = tensor
+        self.active = index
+
+    def apply_update(self, batch: int, optimizer_step: Callable[[], None]) -> None:
+        """U_{batch+2} = U_{batch+1} - Opt(g_batch), written into the buffer batch `batch` used;
+        in place while synchronous."""
+        self.updates += 1
+        if batch >= self.sync_start:
+            self.start_update(batch)
+        with preserved_versions(self.params):
+            optimizer_step()
+
+    def start_update(self, batch: int) -> None:
+        """Copy U_{batch+1} into the buffer batch `batch` used and make it the live one, for the
+        update to write U_{batch+2} there."""
+        target, source = self._version(batch % 2), self._version((batch + 1) % 2)
+        for tensor, latest in zip(target, source):
+            tensor.copy_(latest)
+        self.active = -1
+        self.activate(batch)
+
+    def copies(self) -> list[torch.Tensor]:
+        """The weight copy kept beyond the live weights (made now if still pending)."""
+        return self._version(1 - self.active)
+
+    def extra_bytes(self) -> int:
+        """Bytes of the version buffers that are not the parameters' own storage."""
+        live = {p.data.untyped_storage().data_ptr() for p in self.params}
+        buffers = [t for version in self.buffers if version is not None for t in version]
+        return sum(t.untyped_storage().nbytes() for t in buffers if t.untyped_storage().data_ptr() not in live)
+
+    def state_dict(self, names: list[str], step: int) -> dict[str, torch.Tensor]:
+        """After `step` steps the parameters hold the latest version U_{step+1} = W[step];
+        this is the other one, U_step, which the next batch still uses (before the switch
+        of a Sync Start, the live weights: no second buffer is made for it). Never aliases
+        the live parameters (a load fills these tensors while the model's own entries fill
+        the parameters)."""
+        if step < self.sync_start:
+            return {name: p.data.clone() for name, p in zip(names, self.params)}
+        tensors = self._version(step % 2)
+        if step % 2 == self.active:
+            tensors = [t.clone() for t in tensors]
+        return dict(zip(names, tensors))
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], names: list[str], step: int) -> None:
+        """Restore both versions after a checkpoint at `step` loaded U_{step+1} into the parameters."""
+        self.backwards.clear()
+        self.updates = step
+        if step < self.sync_start:
+            self._both_live()
+            return
+        self.buffers[(step + 1) % 2] = [p.data for p in self.params]
+        self.buffers[step % 2] = [state[name].clone() for name in names]
+        self.active = (step + 1) % 2
+
+
+class PredictedVersions(TwoVersions):
+    """PipeDream-2BW with weight prediction (`optimizer.weight_prediction`, horizon h): batch t
+    runs forward and backward on P_t = U_t + h (U_t - U_{t-1}), where `TwoVersions` would use
+    U_t: the delayed gradient is taken where the weights are predicted to be when it is applied
+    (h = 1: W[k-1] + (W[k-1] - W[k-2]) for W[k]). U_0 = U_1 = W[0], so P_0 = P_1 = W[0].
+
+    The two version buffers hold the predictions of the batches in flight; a third, `base`,
+    holds the latest U, which the optimizer steps: once batch b's gradient is complete,
+    U_{b+2} = U_{b+1} - Opt(g_b) in `base`, and P_{b+2} = U_{b+2} + h (U_{b+2} - U_{b+1}) in the
+    buffer batch b used. One weight copy more than `TwoVersions`. Between steps (`expose_latest`)
+    the parameters hold `base`, the latest U, for checkpoints and validation. Before the first
+    update every buffer equals the live weights, so each is copied from them when first needed
+    (weights loaded after construction become all three)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], microbatches: int, horizon: float) -> None:
+        super().__init__(params, microbatches)
+        self.horizon = horizon
+        self.base: list[torch.Tensor] | None = None
+
+    def _base(self) -> list[torch.Tensor]:
+        if self.base is None:
+            self.base = [p.data.clone() for p in self.params]
+        return self.base
+
+    def _point(self, tensors: list[torch.Tensor], index: int) -> None:
+        for param, tensor in zip(self.params, tensors):
+            param.data = tensor
+        self.active = index
+
+    def activate(self, batch: int) -> None:
+        """Make every parameter hold P_batch."""
+        if batch % 2 != self.active:
+            self._point(self._version(batch % 2), batch % 2)
+
+    def apply_update(self, batch: int, optimizer_step: Callable[[], None]) -> None:
+        """U_{batch+2} = U_{batch+1} - Opt(g_batch) in `base`; P_{batch+2} into the buffer batch `batch` used."""
+        self.updates += 1
+        target, _ = self._version(batch % 2), self._version((batch + 1) % 2)
+        base = self._base()
+        for tensor, latest in zip(target, base):
+            tensor.copy_(latest)
+        self._point(base, -1)
+        with preserved_versions(self.params):
+            optimizer_step()
+        for tensor, latest in zip(target, base):
+            tensor.mul_(-self.horizon).add_(latest, alpha=1 + self.horizon)
+
+    def expose_latest(self, step: int) -> None:
+        """The parameters hold the latest U (before any update, the live weights already do)."""
+        if self.base is not None:
+            self._point(self.base, -1)
+
+    def copies(self) -> list[torch.Tensor]:
+        """The two predictions and the latest U, less the buffer the parameters hold."""
+        live = self.active if self.active >= 0 else None
+        kept = [self._version(i) for i in (0, 1) if i != live] + ([self._base()] if live is not None else [])
+        return [t for version in kept for t in version]
+
+    def extra_bytes(self) -> int:
+        live = {p.data.untyped_storage().data_ptr() for p in self.params}
+        tensors = [t for version in [*self.buffers, self.base] if version is not None for t in version]
+        return sum(t.untyped_storage().nbytes() for t in tensors if t.untyped_storage().data_ptr() not in live)
+
+    def state_dict(self, names: list[str], step: int) -> dict[str, torch.Tensor]:
+        """After `step` steps (drained) the parameters hold U_{step+1}; these are P_step, under the
+        parameters' names, and P_{step+1}, under "next.<name>" (copies where a buffer is live)."""
+        live = {p.data.untyped_storage().data_ptr() for p in self.params}
+        state = {}
+        for prefix, index in (("", step % 2), ("next.", (step + 1) % 2)):
+            for name, tensor in zip(names, self._version(index)):
+                state[prefix + name] = tensor.clone() if tensor.untyped_storage().data_ptr() in live else tensor
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], names: list[str], step: int) -> None:
+        """Restore both predictions after a checkpoint at `step` loaded U_{step+1} into the parameters."""
+        self.backwards.clear()
+        self.updates = step
+        self.base = [p.data for p in self.params]
+        self.buffers[step % 2] = [state[name].clone() for name in names]
+        self.buffers[(step + 1) % 2] = [state[f"next.{name}"].clone() for name in names]
+        self.active = -1
