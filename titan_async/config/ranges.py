@@ -81,7 +81,7 @@ RANGES: dict[str, Range] = {
     "training.max_norm": above(0),
     "training.steps": COUNT,
     "training.gc_freq": COUNT,
-    "training.gradient_delay": Range(low=0, high=1),
+    "training.gradient_delay": Range(low=0, high=16),
     "training.sync_start_steps": at_least(0),
     "training.weight_prediction": at_least(0),
     "parallelism.data_parallel_replicate_degree": COUNT,

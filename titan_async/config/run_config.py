@@ -22,7 +22,7 @@ from titan_async.optim.lr_schedule import RunLRSchedulers
 from titan_async.optim.section import OptimizerSection
 from titan_async.parallel.expert import expert_parallel_problem
 from titan_async.pipeline.config import (
-    DelayTraining, PipelineParallelism, check_activation_checkpoint, check_pipeline, microbatches,
+    DelayTraining, PipelineParallelism, check_activation_checkpoint, check_delay, check_pipeline, microbatches,
 )
 from titan_async.pipeline.schedules import streaming_schedule
 from titan_async.train.benchmarks import EvalSection
@@ -151,6 +151,8 @@ class RunConfig:
         dp = self.data_parallel_degree(world_size)
         self._check_mixture_of_experts(world_size)
         problem = check_pipeline(t, p, dp, self.microbatches())
+        problem = problem or check_delay(t, p, dp, self.microbatches(), self.optimizer.error_feedback.enabled,
+                                         self.model.family == "qwen3_moe")
         problem = problem or check_activation_checkpoint(p, self.activation_checkpoint.mode)
         problem = problem or self.eval.check(self.checkpoint, self.model)
         if problem:
@@ -219,7 +221,7 @@ class RunConfig:
         if streaming_schedule(p.pipeline_parallel_schedule):
             versions = p.pipeline_parallel_schedule
         elif self.training.gradient_delay:
-            versions = "training.gradient_delay = 1"
+            versions = f"training.gradient_delay = {self.training.gradient_delay}"
         else:
             return
         if self.model.family != "qwen3_moe":

@@ -4,7 +4,9 @@ Stage s keeps w = p-1-s microbatches in flight: its stream is F(0)..F(w-1), then
 F(k+w), B(k) for k = 0, 1, ... Window t (one optimizer step) holds the forwards of
 batch t, F(tm)..F(tm+m-1), and the backwards B(tm-w)..B(tm+m-1-w): first the w-long
 tail of batch t-1, then the head of batch t. Microbatch ids are global (k = t*m + j).
-A drain runs the w backwards still owed, which empties the pipe.
+A drain runs the backwards still owed (at most w), which empties the pipe; backwards resume
+with the microbatches fed after it. With fewer microbatches per window than in flight
+(m < w) a window's backwards reach back ceil(w / m) batches.
 """
 
 from __future__ import annotations
@@ -23,24 +25,32 @@ def in_flight(stage: int, num_stages: int) -> int:
     return num_stages - 1 - stage
 
 
-def window_actions(stage: int, num_stages: int, microbatches: int, window: int, drained: bool) -> list[_Action]:
-    """Actions of `stage` in window `window`; `drained` means the previous batch's tail already ran."""
+def gradient_delay(num_stages: int, microbatches: int) -> int:
+    """PipeDream-2BW's delay d in optimizer steps, the same on every stage: the first stage
+    completes batch b's gradient in window b + ceil((p - 1) / m), so the update it makes there
+    is first seen by batch b + d + 1 (d = 1 from m >= p - 1 on)."""
+    return max(1, -(-(num_stages - 1) // microbatches))
+
+
+def window_actions(stage: int, num_stages: int, microbatches: int, window: int, since: int = 0) -> list[_Action]:
+    """Actions of `stage` in window `window`; the backwards of microbatches before `since` (the
+    first one fed after the last drain) already ran."""
     w = in_flight(stage, num_stages)
     first = window * microbatches
     actions = []
     for i in range(microbatches):
         actions.append(_Action(stage, F, first + i))
         backward = first + i - w
-        if backward >= 0 and not (drained and backward < first):
+        if backward >= since:
             actions.append(_Action(stage, B, backward))
     return actions
 
 
-def drain_actions(stage: int, num_stages: int, microbatches: int, window: int) -> list[_Action]:
-    """The backwards that window `window` left in flight on `stage`."""
+def drain_actions(stage: int, num_stages: int, microbatches: int, window: int, since: int = 0) -> list[_Action]:
+    """The backwards that window `window` left in flight on `stage` (of microbatches from `since`)."""
     w = in_flight(stage, num_stages)
     end = (window + 1) * microbatches
-    return [_Action(stage, B, k) for k in range(end - w, end)]
+    return [_Action(stage, B, k) for k in range(max(since, end - w), end)]
 
 
 def consumed_before(sender: list[_Action], produced: _ComputationType) -> dict[int, int | None]:
@@ -62,12 +72,12 @@ def pipeline_order(num_stages: int, microbatches: int, windows: int, drain_every
     """Rank -> actions for `windows` windows, draining after the last one (and every `drain_every`)."""
     order: dict[int, list[_Action]] = {}
     for stage in range(num_stages):
-        actions, drained = [], False
+        actions, since = [], 0
         for window in range(windows):
-            actions += window_actions(stage, num_stages, microbatches, window, drained)
-            drained = window == windows - 1 or (drain_every > 0 and (window + 1) % drain_every == 0)
-            if drained:
-                actions += drain_actions(stage, num_stages, microbatches, window)
+            actions += window_actions(stage, num_stages, microbatches, window, since)
+            if window == windows - 1 or (drain_every > 0 and (window + 1) % drain_every == 0):
+                actions += drain_actions(stage, num_stages, microbatches, window, since)
+                since = (window + 1) * microbatches
         order[stage] = actions
     return order
 

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from torchtitan.config.configs import ParallelismConfig, TrainingConfig
 
+from titan_async.pipeline.actions import gradient_delay
 from titan_async.pipeline.schedules import SCHEDULE_NAMES, SchedulePACI, SchedulePipeDream2BW, streaming_schedule
 
 
@@ -37,7 +38,9 @@ class DelayTraining(TrainingConfig):
     """torchtitan's training settings plus the delayed-gradient reference."""
 
     gradient_delay: int = 0
-    """1: train without pipeline parallelism on the 2BW rule W[k+1] = W[k] - Opt(grad f(W[k-1]))."""
+    """d >= 1: train without pipeline parallelism on the 2BW rule W[k+1] = W[k] - Opt(grad f(W[k-d]))
+    (d = 1: PipeDream-2BW's; d > 1: the bounded delay of PipeDream2BW with fewer microbatches
+    than stages, `pipeline_delay`)."""
     clipping: str = "per_stage"
     """How the streaming schedules apply `max_norm` (synchronous ones clip the global norm, as
     torchtitan does): "per_stage", each stage clips its own gradient to max_norm; "lagged_global",
@@ -87,6 +90,47 @@ def synchronous_throughout(training: DelayTraining) -> str | None:
     return None
 
 
+def pipeline_delay(training: DelayTraining, parallelism: PipelineParallelism, data_parallel: int, microbatches: int) -> int:
+    """The gradient delay d in steps of 2BW's rule this run trains: `training.gradient_delay`, or
+    PipeDream2BW's ceil((stages - 1) / microbatches per step) (`actions.gradient_delay`); 0 for
+    the other schedules."""
+    if training.gradient_delay:
+        return training.gradient_delay
+    if streaming_schedule(parallelism.pipeline_parallel_schedule) is not SchedulePipeDream2BW:
+        return 0
+    stages = parallelism.emulated_stages or parallelism.pipeline_parallel_degree
+    return gradient_delay(stages, microbatches * accumulation_steps(training, data_parallel))
+
+
+def check_delay(training: DelayTraining, parallelism: PipelineParallelism, data_parallel: int, microbatches: int,
+                error_feedback: bool, moe: bool) -> str | None:
+    """Why a delay of several steps (`pipeline_delay` > 1) cannot run with these settings, naming
+    the key; None if it can. d + 1 weight versions of plain parameters are kept so far: no FSDP,
+    replicas or TP around them, and no corrector, Sync Start, lagged clipping or experts yet."""
+    delay = pipeline_delay(training, parallelism, data_parallel, microbatches)
+    if delay <= 1:
+        return None
+    source, instead = f"training.gradient_delay = {delay}:", ""
+    if not training.gradient_delay:
+        stages = parallelism.emulated_stages or parallelism.pipeline_parallel_degree
+        source = (f"PipeDream2BW with {microbatches * accumulation_steps(training, data_parallel)} microbatches per step on "
+                  f"{stages} stages delays each gradient by d = ceil((stages - 1) / microbatches) = {delay} steps:")
+        instead = f", or give each step at least {stages - 1} microbatches"
+    unsupported = {
+        f"parallelism data-parallel degree {data_parallel} (FSDP or replicas): set it to 1": data_parallel > 1,
+        f"parallelism.tensor_parallel_degree = {parallelism.tensor_parallel_degree}: set it to 1": parallelism.tensor_parallel_degree > 1,
+        f"training.weight_prediction = {training.weight_prediction:g}: set it to 0": bool(training.weight_prediction),
+        "optimizer.error_feedback.enabled = true: set it to false": error_feedback,
+        f"training.sync_start_steps = {training.sync_start_steps}: set it to 0": bool(training.sync_start_steps),
+        "training.clipping = 'lagged_global': set it to 'per_stage'": training.clipping == "lagged_global",
+        "model.family = 'qwen3_moe': use a dense model": moe,
+    }
+    for feature, present in unsupported.items():
+        if present:
+            return f"{source} a delay of more than one step runs without {feature} so far{instead}"
+    return None
+
+
 def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism, data_parallel: int, microbatches: int) -> str | None:
     """Why this schedule/delay combination cannot run, naming the keys; None if it can.
 
@@ -97,7 +141,8 @@ def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism, da
     if name.lower() not in {n.lower() for n in SCHEDULE_NAMES}:
         return f"{key}: unknown schedule; valid names are {', '.join(SCHEDULE_NAMES)}"
     if training.gradient_delay and parallelism.pipeline_parallel_degree > 1:
-        return "training.gradient_delay = 1 is the single-process reference; with pipeline_parallel_degree > 1 use pipeline_parallel_schedule = \"PipeDream2BW\""
+        return (f"training.gradient_delay = {training.gradient_delay} is the single-process reference; with "
+                "pipeline_parallel_degree > 1 use pipeline_parallel_schedule = \"PipeDream2BW\"")
     schedule = streaming_schedule(name)
     if training.clipping == "lagged_global" and schedule is None:
         return (f"training.clipping = 'lagged_global' is for the streaming schedules (PipeDream2BW, PACI); {key} "
@@ -137,8 +182,6 @@ def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism, da
     accumulated = accumulation_steps(training, data_parallel)
     count = (f"training.local_batch_size / parallelism.pipeline_parallel_microbatch_size"
              f"{f' x {accumulated} accumulated local batches' if accumulated > 1 else ''} = {microbatches * accumulated}")
-    if schedule is SchedulePipeDream2BW and microbatches * accumulated < p:
-        return f"{key} needs at least as many microbatches per step as stages: {count} < {p} stages"
     if schedule is SchedulePACI and microbatches * accumulated < p - 1:
         return f"{key} needs at least as many microbatches per step as the first stage holds in flight (stages - 1): {count} < {p - 1}"
     return None

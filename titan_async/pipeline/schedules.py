@@ -43,7 +43,8 @@ class StreamingSchedule(PipelineScheduleSingle):
         a window holds `microbatches` (those of every local batch an optimizer step accumulates)."""
         stage = self._stage
         self.policy = make_policy(self.name, stage.submod, microbatches, accumulation, hold_gathered=True, sync_start=sync_start,
-                                 prediction=prediction, stages_after=stage.num_stages - 1 - stage.stage_index)
+                                 prediction=prediction, stages_after=stage.num_stages - 1 - stage.stage_index,
+                                 lag=plan.gradient_delay(stage.num_stages, microbatches))
         self.timeline = Timeline(dist.get_rank(), keep_trace, stage.device)
         groups = edge_groups(stage.group, stage.stage_index_to_group_rank, stage.device)
         self.transport = P2PTransport(groups, stage.stage_index, stage.num_stages, stage.device)

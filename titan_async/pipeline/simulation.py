@@ -373,7 +373,7 @@ def one_f_one_b(ranks: int, microbatches: int) -> dict[int, list[_Action]]:
     forwards, then a backward and a forward in turn, then the backwards left: the order torch's
     Schedule1F1B runs. (torch 2.x's own IR of it, `_get_pipeline_order`, numbers the last rank's
     forwards 1..m.)"""
-    return {s: window_actions(s, ranks, microbatches, 0, drained=True) + drain_actions(s, ranks, microbatches, 0)
+    return {s: window_actions(s, ranks, microbatches, 0) + drain_actions(s, ranks, microbatches, 0)
             for s in range(ranks)}
 
 
@@ -427,7 +427,7 @@ def streaming_streams(ranks: int, microbatches: int, windows: int, costs: Costs,
         placed: list[tuple[Task, int]] = []
         gathered = False
         for window in range(windows):
-            for action in window_actions(stage, ranks, microbatches, window, drained=False):
+            for action in window_actions(stage, ranks, microbatches, window):
                 tasks = [_task(action, 0, rank_of, per_rank, costs)]
                 if action.computation_type == F and not gathered:
                     gathered = True

@@ -29,6 +29,8 @@ class StreamEngine:
         self.optimizer_steps = optimizer_steps
         self.window = -1
         self.drained = True
+        self.since = 0
+        """The first microbatch fed after the last drain: earlier ones have run their backwards."""
         self.previous_actions: Callable[[int], list] = lambda stage: []
         self.loss_kwargs: dict[str, Any] = {}
 
@@ -75,8 +77,10 @@ class StreamEngine:
         self.window = window
         first = window * self.microbatches
         self.loss_kwargs = loss_kwargs
-        drained = self.drained
-        losses = self._run(lambda stage: plan.window_actions(stage, self.num_stages, self.microbatches, window, drained),
+        if self.drained:
+            self.since = first
+        since = self.since
+        losses = self._run(lambda stage: plan.window_actions(stage, self.num_stages, self.microbatches, window, since),
                            dict(enumerate(microbatches, start=first)))
         self.drained = False
         return losses
@@ -87,8 +91,8 @@ class StreamEngine:
         if self.drained:
             return
         comm_log.note({"op": "drain"})
-        window = self.window
-        self._run(lambda stage: plan.drain_actions(stage, self.num_stages, self.microbatches, window), {})
+        window, since = self.window, self.since
+        self._run(lambda stage: plan.drain_actions(stage, self.num_stages, self.microbatches, window, since), {})
         for executor in self.executors:
             executor.transport.finish_sends()
         self.drained = True

@@ -20,7 +20,8 @@ class DelayedSteps:
         self.trainer = trainer
         model = trainer.model_parts[0]
         training = trainer.config.training
-        self.delay = two_versions(model, 1, FsdpStage.of(model), training.sync_start_steps, training.weight_prediction)
+        self.delay = two_versions(model, 1, FsdpStage.of(model), training.sync_start_steps, training.weight_prediction,
+                                  training.gradient_delay)
         self.policies = {0: (self.delay, policy_names(model, self.delay))}
         self.synchronous = SynchronousSteps(trainer, balance_experts=False)
         self.timeline = None

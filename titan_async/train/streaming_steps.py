@@ -16,6 +16,7 @@ from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.tools.logging import logger
 
 from titan_async.core import streams
+from titan_async.pipeline.actions import gradient_delay
 from titan_async.pipeline.config import microbatches
 from titan_async.pipeline.emulation import stage_modules, stage_view
 from titan_async.pipeline.executor import Microbatch, StageExecutor
@@ -135,7 +136,7 @@ class StreamingSteps:
         for stage, view in enumerate(views):
             policy = make_policy(config.parallelism.pipeline_parallel_schedule, view, m, config.parallelism.paci.accumulation,
                                  sync_start=config.training.sync_start_steps, prediction=config.training.weight_prediction,
-                                 stages_after=len(views) - 1 - stage)
+                                 stages_after=len(views) - 1 - stage, lag=gradient_delay(len(views), m))
             policies[stage] = (policy, policy_names(view, policy))
             executors.append(
                 StageExecutor(view, stage, len(views), LocalTransport(mailbox, stage), policy, self._loss, Timeline(0, False))

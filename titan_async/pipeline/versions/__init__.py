@@ -42,12 +42,14 @@ __all__ = ["LocalAccumulation", "OneStepDelay", "PredictedAccumulation", "Predic
 
 
 def two_versions(module: torch.nn.Module, microbatches: int, stage: FsdpStage | None = None, sync_start: int = 0,
-                 prediction: float = 0.0):
+                 prediction: float = 0.0, lag: int = 1):
     """PipeDream-2BW's versions of `module`'s parameters (and MoE expert biases,
     `load_balance.versioned_tensors`): sharded when `stage` (its FSDP units) is given;
     synchronous for the first `sync_start` batches; predicted with horizon `prediction` when
-    it is not 0 (without Sync Start: the config refuses it)."""
+    it is not 0 (without Sync Start: the config refuses it); for a gradient delay of `lag`
+    steps, `lag` + 1 versions (plain parameters, without prediction, so far)."""
     assert not (prediction and sync_start), "weight prediction runs without Sync Start"
+    assert lag == 1 or not (stage or prediction), "a delay of several steps keeps versions of plain parameters only"
     tensors = [tensor for _, tensor in versioned_tensors(module)]
     if stage:
         params = list(module.parameters())
@@ -56,22 +58,23 @@ def two_versions(module: torch.nn.Module, microbatches: int, stage: FsdpStage | 
         return ShardedTwoVersions(params, microbatches, stage, buffers=tensors[len(params):], sync_start=sync_start)
     if prediction:
         return PredictedVersions(tensors, microbatches, prediction)
-    return TwoVersions(tensors, microbatches, sync_start)
+    return TwoVersions(tensors, microbatches, sync_start, lag)
 
 
 def make_policy(schedule: str, module: torch.nn.Module, microbatches: int, accumulation: int | None, hold_gathered: bool = False,
-                sync_start: int = 0, prediction: float = 0.0, stages_after: int = 0):
+                sync_start: int = 0, prediction: float = 0.0, stages_after: int = 0, lag: int = 1):
     """The weight-version policy of streaming schedule `schedule` for one stage module,
     synchronous for the first `sync_start` batches (Sync Start, module docstring), its
     weights predicted with horizon `prediction` when it is not 0 (PACI's forwards by
     `prediction` x the stage's mean delay, `stages_after` / accumulation local steps). With
     `hold_gathered` (a pipeline stage of its own) its FSDP units gather and reduce once per
-    update (`FsdpStage.hold_gathered`)."""
+    update (`FsdpStage.hold_gathered`). `lag`: 2BW's gradient delay in steps
+    (`actions.gradient_delay`)."""
     stage = FsdpStage.of(module)
     if stage and hold_gathered:
         stage.hold_gathered()
     if schedule == "PipeDream2BW":
-        return two_versions(module, microbatches, stage, sync_start, prediction)
+        return two_versions(module, microbatches, stage, sync_start, prediction, lag)
     accumulation = accumulation or microbatches
     if prediction and stages_after:  # the last stage's microbatches cross no local step
         assert not sync_start, "weight prediction runs without Sync Start"

@@ -12,19 +12,22 @@ from titan_async.pipeline.versions.common import preserved_versions
 
 
 class OneStepDelay:
-    """The batch bookkeeping both 2BW implementations share: batch t runs on version t, and
-    version b + 2 is computed from b + 1 once batch b's gradient is complete."""
+    """The batch bookkeeping every 2BW implementation shares, for a gradient delay of d = `lag`
+    optimizer steps: batch t runs on version t, U_t = W[t - d] (W[j] = W[0] for j < 0), and
+    version b + d + 1 = W[b + 1] is computed from version b + d once batch b's gradient is
+    complete. d = 1 is PipeDream-2BW's constant one-step delay."""
 
-    def __init__(self, microbatches: int, sync_start: int = 0) -> None:
+    def __init__(self, microbatches: int, sync_start: int = 0, lag: int = 1) -> None:
         self.microbatches = microbatches
         self.sync_start = sync_start
+        self.lag = lag
         self.backwards = Counter()
         self.updates = 0
 
     def delay(self, microbatch: int, crossed: int) -> int:
         """The staleness of a backward's gradient in optimizer steps: 0 in the synchronous
-        batches, 1 after (whatever updates it `crossed`: its version is stashed)."""
-        return int(microbatch // self.microbatches >= self.sync_start)
+        batches, d after (whatever updates it `crossed`: its version is stashed)."""
+        return self.lag if microbatch // self.microbatches >= self.sync_start else 0
 
     def before_forward(self, microbatch: int) -> None:
         self.activate(microbatch // self.microbatches)
@@ -54,8 +57,8 @@ class OneStepDelay:
 
     def expose_latest(self, step: int) -> None:
         """After `step` steps with nothing in flight, make the parameters hold the latest
-        weights, W[step] = U_{step+1}, for checkpoints and validation."""
-        self.activate(step + 1)
+        weights, W[step] = U_{step+d}, for checkpoints and validation."""
+        self.activate(step + self.lag)
 
     def step_of_update(self, update: int) -> int:
         """The step (1-based) that fed the batch update `update` applies."""
@@ -67,38 +70,43 @@ class OneStepDelay:
 
 
 class TwoVersions(OneStepDelay):
-    """Two weight versions of plain parameters; batch t uses version t % 2 (module docstring).
+    """The d + 1 weight versions of plain parameters a delay of d = `lag` steps needs (two for
+    PipeDream-2BW's d = 1); batch t uses version t, kept in buffer t % (d + 1) (module docstring).
+    Batch b's update writes U_{b+d+1} into the buffer of U_b, which no batch in flight uses
+    any more: b's own backwards are done, and every later batch uses a newer version.
 
-    Versions switch by pointing `param.data` at the other buffer (no copy; the live storage
-    is one of the two buffers)."""
+    Versions switch by pointing `param.data` at another buffer (no copy; the live storage
+    is one of the buffers)."""
 
     switches_tensors = True
     """Whether the model's tensors (parameters, buffers) change storage between versions: a
     checkpoint must then read the model state live, not from a cache of its tensors."""
 
-    def __init__(self, params: list[torch.nn.Parameter], microbatches: int, sync_start: int = 0) -> None:
-        super().__init__(microbatches, sync_start)
+    def __init__(self, params: list[torch.nn.Parameter], microbatches: int, sync_start: int = 0, lag: int = 1) -> None:
+        super().__init__(microbatches, sync_start, lag)
         self.params = params
-        self._both_live()
+        self.slots = lag + 1
+        self._all_live()
 
-    def _both_live(self) -> None:
-        """Until the first delayed update both versions are the live weights (W[-1] = W[0], or
-        U_N = U_{N+1} = W[N] after N synchronous batches). The buffer of version N + 1 is left
-        None and copied from the live weights when first needed, so weights loaded after
-        construction (checkpoint.initial_load_path) become both versions."""
-        self.active = self.sync_start % 2
-        self.buffers = [None, None]
+    def _all_live(self) -> None:
+        """Until the first delayed update every version is the live weights (W[-d..0] = W[0], or
+        U_N..U_{N+d} = W[N] after N synchronous batches). The other buffers are left None and
+        copied from the live weights when first needed (all of them before the first update
+        changes the live weights), so weights loaded after construction
+        (checkpoint.initial_load_path) become every version."""
+        self.active = self.sync_start % self.slots
+        self.buffers = [None] * self.slots
         self.buffers[self.active] = [p.data for p in self.params]
 
     def _version(self, index: int) -> list[torch.Tensor]:
-        """Buffer `index`, copied from the live weights if it was left None (see __init__)."""
+        """Buffer `index`, copied from the live weights if it was left None (see `_all_live`)."""
         if self.buffers[index] is None:
             self.buffers[index] = [p.data.clone() for p in self.params]
         return self.buffers[index]
 
     def activate(self, batch: int) -> None:
         """Make every parameter hold the version batch `batch` uses (the live weights while synchronous)."""
-        index = batch % 2
+        index = batch % self.slots
         if batch < self.sync_start or index == self.active:
             return
         self._version(self.active)
@@ -107,8 +115,8 @@ class TwoVersions(OneStepDelay):
         self.active = index
 
     def apply_update(self, batch: int, optimizer_step: Callable[[], None]) -> None:
-        """U_{batch+2} = U_{batch+1} - Opt(g_batch), written into the buffer batch `batch` used;
-        in place while synchronous."""
+        """U_{batch+d+1} = U_{batch+d} - Opt(g_batch), written into the buffer batch `batch`
+        used; in place while synchronous."""
         self.updates += 1
         if batch >= self.sync_start:
             self.start_update(batch)
@@ -116,17 +124,19 @@ class TwoVersions(OneStepDelay):
             optimizer_step()
 
     def start_update(self, batch: int) -> None:
-        """Copy U_{batch+1} into the buffer batch `batch` used and make it the live one, for the
-        update to write U_{batch+2} there."""
-        target, source = self._version(batch % 2), self._version((batch + 1) % 2)
+        """Copy U_{batch+d} into the buffer batch `batch` used and make it the live one, for the
+        update to write U_{batch+d+1} there."""
+        for index in range(self.slots):  # the versions still pending are the weights before this update
+            self._version(index)
+        target, source = self.buffers[batch % self.slots], self.buffers[(batch + self.lag) % self.slots]
         for tensor, latest in zip(target, source):
             tensor.copy_(latest)
         self.active = -1
         self.activate(batch)
 
     def copies(self) -> list[torch.Tensor]:
-        """The weight copy kept beyond the live weights (made now if still pending)."""
-        return self._version(1 - self.active)
+        """The weight copies kept beyond the live weights (made now if still pending)."""
+        return [t for index in range(self.slots) if index != self.active for t in self._version(index)]
 
     def extra_bytes(self) -> int:
         """Bytes of the version buffers that are not the parameters' own storage."""
@@ -135,28 +145,39 @@ class TwoVersions(OneStepDelay):
         return sum(t.untyped_storage().nbytes() for t in buffers if t.untyped_storage().data_ptr() not in live)
 
     def state_dict(self, names: list[str], step: int) -> dict[str, torch.Tensor]:
-        """After `step` steps the parameters hold the latest version U_{step+1} = W[step];
-        this is the other one, U_step, which the next batch still uses (before the switch
-        of a Sync Start, the live weights: no second buffer is made for it). Never aliases
-        the live parameters (a load fills these tensors while the model's own entries fill
-        the parameters)."""
-        if step < self.sync_start:
-            return {name: p.data.clone() for name, p in zip(names, self.params)}
-        tensors = self._version(step % 2)
-        if step % 2 == self.active:
-            tensors = [t.clone() for t in tensors]
-        return dict(zip(names, tensors))
+        """After `step` steps the parameters hold the latest version U_{step+d} = W[step];
+        these are the others, U_step (under the parameters' names) and U_{step+i} for
+        0 < i < d (under "ahead<i>.<name>"), which the next d batches still use (before the
+        switch of a Sync Start, the live weights: no other buffer is made for them). Never
+        aliases the live parameters (a load fills these tensors while the model's own
+        entries fill the parameters)."""
+        state = {}
+        for ahead in range(self.lag):
+            if step < self.sync_start:
+                tensors = [p.data.clone() for p in self.params]
+            else:
+                index = (step + ahead) % self.slots
+                tensors = self._version(index)
+                if index == self.active:
+                    tensors = [t.clone() for t in tensors]
+            state |= {self._key(ahead, name): tensor for name, tensor in zip(names, tensors)}
+        return state
+
+    @staticmethod
+    def _key(ahead: int, name: str) -> str:
+        return f"ahead{ahead}.{name}" if ahead else name
 
     def load_state_dict(self, state: dict[str, torch.Tensor], names: list[str], step: int) -> None:
-        """Restore both versions after a checkpoint at `step` loaded U_{step+1} into the parameters."""
+        """Restore every version after a checkpoint at `step` loaded U_{step+d} into the parameters."""
         self.backwards.clear()
         self.updates = step
         if step < self.sync_start:
-            self._both_live()
+            self._all_live()
             return
-        self.buffers[(step + 1) % 2] = [p.data for p in self.params]
-        self.buffers[step % 2] = [state[name].clone() for name in names]
-        self.active = (step + 1) % 2
+        self.buffers[(step + self.lag) % self.slots] = [p.data for p in self.params]
+        for ahead in range(self.lag):
+            self.buffers[(step + ahead) % self.slots] = [state[self._key(ahead, name)].clone() for name in names]
+        self.active = (step + self.lag) % self.slots
 
 
 class PredictedVersions(TwoVersions):

@@ -1,0 +1,138 @@
+"""PipeDream-2BW with fewer microbatches per step than stages: a bounded, uniform delay
+d = ceil((p - 1) / m) and d + 1 weight versions.
+
+The policy is driven here through the first stage's own action order (`actions.window_actions`,
+drains included) on a least-squares problem with SGD, against the recurrence written out:
+W[k+1] = W[k] - lr * grad f_k(W[k-d]), W[j] = W[0] for j < 0. Controls: the delay d - 1, and
+d versions instead of d + 1 (the newest overwrites one a batch in flight still uses)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import cli_in_process, sets
+from titan_async.pipeline.actions import drain_actions, gradient_delay, window_actions
+from titan_async.pipeline.versions import TwoVersions
+
+LR, SIZE, ROWS = 0.05, 6, 4
+
+
+def problem(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, y) of microbatch k: f_k(W) = |A W - y|^2 / 2."""
+    generator = torch.Generator().manual_seed(k)
+    return (torch.randn(ROWS, SIZE, generator=generator, dtype=torch.float64),
+            torch.randn(ROWS, generator=generator, dtype=torch.float64))
+
+
+def gradient(weights: torch.Tensor, k: int) -> torch.Tensor:
+    a, y = problem(k)
+    return a.T @ (a @ weights - y)
+
+
+def initial() -> torch.Tensor:
+    return torch.randn(SIZE, generator=torch.Generator().manual_seed(99), dtype=torch.float64)
+
+
+def recurrence(delay: int, microbatches: int, batches: int) -> list[torch.Tensor]:
+    """W[0..batches] by the rule written out."""
+    w = [initial()]
+    for k in range(batches):
+        at = w[max(k - delay, 0)]
+        w.append(w[k] - LR * sum(gradient(at, k * microbatches + j) for j in range(microbatches)))
+    return w
+
+
+class TooFewVersions(TwoVersions):
+    """The control: d buffers for a delay of d."""
+
+    def __init__(self, params, microbatches, lag):
+        super().__init__(params, microbatches, lag=lag)
+        self.slots = lag
+        self._all_live()
+
+
+def drive(make_policy, stages: int, microbatches: int, batches: int, drains: set[int], resume_at: int | None = None):
+    """Run stage 0's actions for `batches` windows, draining after the windows in `drains` (and
+    the last); at the drain after window `resume_at` the policy's state goes through
+    state_dict into a fresh policy on fresh parameters. Returns the latest weights after each
+    drain, by step, and how many backwards saw weights other than their forward's."""
+    param = torch.nn.Parameter(initial())
+    policy = make_policy([param])
+    seen, mismatched, exposed, since = {}, 0, {}, 0
+
+    def step() -> None:
+        with torch.no_grad():
+            param.sub_(LR * param.grad)
+        param.grad = None
+
+    for window in range(batches):
+        actions = window_actions(0, stages, microbatches, window, since)
+        if window in drains or window == batches - 1:
+            actions += drain_actions(0, stages, microbatches, window, since)
+            since = (window + 1) * microbatches
+        for action in actions:
+            k = action.microbatch_index
+            if action.computation_type.value == "F":
+                policy.before_forward(k)
+                seen[k] = param.detach().clone()
+                policy.after_forward(k)
+                continue
+            policy.before_backward(k)
+            mismatched += not torch.equal(param.detach(), seen.pop(k))
+            grad = gradient(param.detach(), k)
+            param.grad = grad if param.grad is None else param.grad + grad
+            completed = policy.after_backward(k)
+            if completed is not None:
+                policy.apply_update(completed, step)
+        if since == (window + 1) * microbatches:
+            policy.expose_latest(window + 1)
+            exposed[window + 1] = param.detach().clone()
+            if window == resume_at:
+                state = policy.state_dict(["w"], window + 1)
+                param = torch.nn.Parameter(param.detach().clone())
+                policy = make_policy([param])
+                policy.load_state_dict(state, ["w"], window + 1)
+    return exposed, mismatched
+
+
+@pytest.mark.parametrize("stages, microbatches", [(4, 1), (4, 2), (5, 2), (3, 4)])
+def test_bounded_delay_follows_the_recurrence_across_drains_and_a_resume(stages, microbatches):
+    delay = gradient_delay(stages, microbatches)
+    assert delay == -(-(stages - 1) // microbatches) or (delay == 1 and microbatches >= stages - 1)
+    batches = 9
+    expected = recurrence(delay, microbatches, batches)
+    exposed, mismatched = drive(lambda params: TwoVersions(params, microbatches, lag=delay), stages, microbatches, batches,
+                                drains={3, 5}, resume_at=5)
+    assert mismatched == 0  # every backward ran on its forward's version
+    assert sorted(exposed) == [4, 6, 9]
+    for step, weights in exposed.items():
+        torch.testing.assert_close(weights, expected[step], rtol=1e-12, atol=1e-12)
+    if delay > 1:
+        shorter = recurrence(delay - 1, microbatches, batches)
+        assert not torch.allclose(exposed[batches], shorter[batches], rtol=1e-6)
+        few, mismatched = drive(lambda params: TooFewVersions(params, microbatches, delay), stages, microbatches, batches, drains={3})
+        assert mismatched > 0 and not torch.allclose(few[batches], expected[batches], rtol=1e-6)
+
+
+def test_a_delay_of_several_steps_keeps_that_many_versions_more():
+    params = [torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))]
+    policy = TwoVersions(params, microbatches=1, lag=3)
+    policy.apply_update(0, lambda: None)  # the first update makes every version
+    assert policy.extra_bytes() == 3 * (8 * 4 + 4) * 4
+    assert len(policy.copies()) == 3 * len(params)
+
+
+@pytest.mark.parametrize("assignment, message", [
+    ("model.family=qwen3_moe", "model.family = 'qwen3_moe'"),
+    ("training.weight_prediction=1", "training.weight_prediction = 1"),
+    ("training.sync_start_steps=2", "training.sync_start_steps = 2"),
+    ("training.clipping=lagged_global", "training.clipping = 'lagged_global'"),
+])
+def test_a_delay_of_several_steps_refuses_what_it_does_not_run_yet(capsys, tmp_path, assignment, message):
+    code, _, err = cli_in_process(capsys, "train", "--run-dir", str(tmp_path / "run"), *sets(
+        "parallelism.pipeline_parallel_schedule=PipeDream2BW", "parallelism.emulated_stages=4",
+        "training.local_batch_size=2", "parallelism.pipeline_parallel_microbatch_size=1", assignment))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "2 microbatches per step on 4 stages delays each gradient by d = ceil((stages - 1) / microbatches) = 2 steps" in err
+    assert message in err and "or give each step at least 3 microbatches" in err
