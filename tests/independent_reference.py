@@ -29,7 +29,7 @@ checks). What it takes from elsewhere:
   synchronous schedules do (`global_norm`);
 - the stage boundaries: 2 stages of 4 layers, as torchtitan splits them (stage 0:
   tok_embeddings, layers.0-1; stage 1: layers.2-3, norm, lm_head), or the run's own
-  `parallelism.module_fqns_per_model_part`.
+  `parallelism.module_fqns_per_model_part` (which 4 stages must name).
 
 Run under pytest, the process has also run the package's `platform.configure()` (conftest.py:
 it makes torchtitan pick the CPU and gloo; it changes no model or optimizer arithmetic).
@@ -37,7 +37,9 @@ it makes torchtitan pick the CPU and gloo; it changes no model or optimizer arit
 The rules, written out:
 - PipeDream-2BW: W[k+1] = W[k] - Opt(grad f_k(W[k-1])), W[-1] = W[0], with a deep copy of the
   previous weights; `variant="stale"` (the control) writes the update into the stale version,
-  W[k+1] = W[k-1] - Opt(grad f_k(W[k-1])), and `variant="no_delay"` takes the gradient at W[k].
+  W[k+1] = W[k-1] - Opt(grad f_k(W[k-1])), and `variant="no_delay"` takes the gradient at W[k];
+  with `delay` = d (PipeDream-2BW with fewer microbatches than stages, or `training.gradient_delay
+  = d`), W[k+1] = W[k] - Opt(grad f_k(W[k-d])), W[j] = W[0] for j < 0, from a copy of every W[j].
 - PACI: each stage steps after every `a` of its own backwards. Stage s keeps p-1-s microbatches
   in flight (the stream drains after the steps in `drains`, where nothing stays in flight). A
   backward combines the activations its forward saved (forward-time weights) with the weights
@@ -122,7 +124,8 @@ class Settings:
     expert_precision: str = "bfloat16"
     """torchtitan's bfloat16 experts, or "full": the experts multiply in float32 (`Float32Experts`)."""
     stages: tuple[tuple[str, ...], ...] = STAGES
-    """Each stage's modules, in order (the run's `module_fqns_per_model_part`, else `STAGES`)."""
+    """Each stage's modules, in order (the run's `module_fqns_per_model_part`, else `STAGES`; one
+    stage of every module without pipeline parallelism)."""
 
     @property
     def microbatches(self) -> int:
@@ -136,9 +139,12 @@ def read_settings(run_dir: Path, vocab_size: int) -> Settings:
     m, t, p, o, s = c["model"], c["training"], c["parallelism"], c["optimizer"], c["lr_scheduler"]
     assert m["family"] in ("llama3", "qwen3_moe") and m["preset"] == "debugmodel" and m["n_kv_heads"] in (0, m["n_heads"])
     assert m["multiple_of"] == -1 and m["ffn_dim_multiplier"] == -1.0 and m["float8"] == "none"
-    assert m["n_layers"] == 4 and p["pipeline_parallel_degree"] == 2, "2 stages of a 4-layer model"
+    assert m["n_layers"] == 4 and p["pipeline_parallel_degree"] in (1, 2, 4), "1, 2 or 4 stages of a 4-layer model"
     stages = tuple(tuple(modules) for modules in p.get("module_fqns_per_model_part") or ()) or STAGES
-    assert len(stages) == 2 and sorted(n for modules in stages for n in modules) == sorted(n for modules in STAGES for n in modules)
+    if p["pipeline_parallel_degree"] == 1:  # `training.gradient_delay`: the whole model clips as one stage
+        stages = (tuple(n for modules in STAGES for n in modules),)
+    assert len(stages) == p["pipeline_parallel_degree"], "4 stages are named in parallelism.module_fqns_per_model_part"
+    assert sorted(n for modules in stages for n in modules) == sorted(n for modules in STAGES for n in modules)
     data_ranks = p["data_parallel_shard_degree"] * p["data_parallel_replicate_degree"]
     assert data_ranks >= 1, "the resolved config names the degrees"
     tensor_ranks = p.get("tensor_parallel_degree", 1)
@@ -590,8 +596,10 @@ def local_batch_parts(batch: list[Microbatch], settings: Settings) -> list[list[
 @one_thread
 def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "exact", bias_counts: str = "delayed",
            lagged_clip: int | None = None, skipped: frozenset[tuple[int, int]] = frozenset(), sync_start: int = 0,
-           prediction: float = 0.0, **optimizer_options) -> Result:
+           prediction: float = 0.0, delay: int = 1, **optimizer_options) -> Result:
     """W[k+1] = W[k] - Opt(grad f_k(W[k-1])), W[-1] = W[0]; each stage clips its own gradient.
+    A `delay` of d > 1 steps (without Sync Start or prediction): W[k+1] = W[k] - Opt(grad f_k(W[k-d])),
+    W[j] = W[0] for j < 0; "stale" then writes the update into W[k-d].
     With experts the biases are part of W and move by the load-balancing rule from the counts of
     batch k routed at W[k-1] (the microbatches whose gradient the update applies).
     Controls: "stale" applies the update to W[k-1]; "no_delay" takes the gradient at W[k];
@@ -609,8 +617,10 @@ def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "
     (W[sync_start - 1] := W[sync_start]).
     Weight prediction (horizon h = `prediction` > 0): the gradient is taken at
     W[k-1] + h (W[k-1] - W[k-2]) instead of W[k-1], with W[-2] = W[-1] = W[0]."""
+    assert delay == 1 or not (sync_start or prediction)
     model = build_model(settings)  # holds W[k]
-    previous = copy.deepcopy(model)  # holds W[k-1]
+    previous = copy.deepcopy(model)  # holds W[k-1] (W[k-d])
+    past = []  # W[0..k]
     older = copy.deepcopy(model)  # holds W[k-2]
     predicted = copy.deepcopy(model)
     head_dim = settings.dim // settings.n_heads
@@ -622,6 +632,9 @@ def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "
     for k, batch in enumerate(batches):
         if k == sync_start:
             previous.load_state_dict(model.state_dict())
+        if delay > 1:
+            past.append(copy.deepcopy(model.state_dict()))
+            previous.load_state_dict(past[max(k - delay, 0)])
         n, total = valid_tokens(batch), 0.0
         for part in local_batch_parts(batch, settings) if variant == "one_at_a_time" else [batch]:
             at = model if variant == "no_delay" or k < sync_start else previous

@@ -11,7 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import cli_in_process, sets
+import device_replay
+import independent_reference as ref
+import nccl_model
+from conftest import cli_in_process, metrics, sets
+from test_independent_reference import assert_different, assert_equal, differences, pipelined, reference_inputs, resumed_at_step_3
 from titan_async.pipeline.actions import drain_actions, gradient_delay, window_actions
 from titan_async.pipeline.versions import TwoVersions
 
@@ -136,3 +140,39 @@ def test_a_delay_of_several_steps_refuses_what_it_does_not_run_yet(capsys, tmp_p
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "2 microbatches per step on 4 stages delays each gradient by d = ceil((stages - 1) / microbatches) = 2 steps" in err
     assert message in err and "or give each step at least 3 microbatches" in err
+
+
+FOUR_STAGES = 'parallelism.module_fqns_per_model_part=[["tok_embeddings", "layers.0"], ["layers.1"], ["layers.2"], ["layers.3", "norm", "lm_head"]]'
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_2bw_on_four_stages_with_fewer_microbatches_equals_the_independent_reference_across_a_resume(tmp_path, microbatches):
+    """PP 4 on 4 processes with m = 1 (d = 3) and m = 2 (d = 2) microbatches per step, stopped at
+    the step-3 checkpoint and resumed, against `ref.two_bw` with that delay; the logged global
+    norms wait for stage 0's update, d steps after its batch. Controls: the delays d - 1 and
+    d + 1, and the update written into the stale version. The run's communication log passes
+    the NCCL model and the device replay."""
+    delay = gradient_delay(4, microbatches)
+    run = resumed_at_step_3(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PipeDream2BW",
+                            "parallelism.pipeline_parallel_degree=4", FOUR_STAGES, f"training.local_batch_size={microbatches}",
+                            nproc=4)
+    settings, batches, weights = reference_inputs(run)
+    assert len(settings.stages) == 4 and settings.microbatches == microbatches
+    update_of_step = lambda step: step
+    assert_equal(differences(run, weights, ref.two_bw(settings, batches, delay=delay), update_of_step))
+    for control in ({"delay": delay - 1}, {"delay": delay + 1}, {"delay": delay, "variant": "stale"}):
+        assert_different(differences(run, weights, ref.two_bw(settings, batches, **control), update_of_step))
+    assert {row[f"staleness_max/stage{s}"] for row in metrics(run).values() for s in range(4)} <= {0.0, float(delay)}
+    nccl_model.assert_nccl_safe(run / "comm", 4)
+    device_replay.assert_flows_as_simulated(run / "comm", "PipeDream2BW", 4, microbatches=microbatches)
+
+
+def test_gradient_delay_of_two_steps_equals_the_independent_reference(tmp_path):
+    """`training.gradient_delay = 2` on one process trains the rule of 2BW at d = 2 (the cheap
+    stand-in for studies), against `ref.two_bw(delay=2)`; controls: delays 1 and 3."""
+    run = pipelined(tmp_path / "run", "training.gradient_delay=2", "parallelism.data_parallel_shard_degree=1",
+                    config="debug_cpu.toml", nproc=1)
+    settings, batches, weights = reference_inputs(run)
+    assert_equal(differences(run, weights, ref.two_bw(settings, batches, delay=2), lambda step: step))
+    for delay in (1, 3):
+        assert_different(differences(run, weights, ref.two_bw(settings, batches, delay=delay), lambda step: step))

@@ -44,7 +44,7 @@ class StreamingSteps:
 
     A logging step's metrics row waits for the global gradient norm of the update that applied
     its batch (`StageGradNorms`): summed a step after every stage made that update and read a
-    step later, so the row of step t is logged at step t + 2, or at the next drain (with lagged
+    step later, so the row of step t is logged at step t + d + 1 (d = 1 unless m < p - 1), or at the next drain (with lagged
     global clipping every step has a row, logged or not, for its norm). The row also
     holds each stage's norm and its delays since the previous row (`_take_staleness`): their mean
     (staleness/stage<s>) and largest (staleness_max/stage<s>)."""
@@ -293,9 +293,11 @@ class StreamingSteps:
 
     def _log_rows(self, drained: bool) -> None:
         """Log each waiting row whose norm was started at an earlier step; start the norms of
-        rows older than this step (every stage has made their updates by now: stage 0 lags
-        the last by less than a window). Drained, every update is made: start and log them all."""
+        rows at least d steps old, d = ceil((p - 1) / m) (`actions.gradient_delay`): every stage
+        has made their updates by then, stage 0 making the update of batch t - 1 in window
+        t - 1 + d. Drained, every update is made: start and log them all."""
         step, logged = self.trainer.step, 0
+        behind = gradient_delay(self.stream.num_stages, self.stream.microbatches)
         for row in self.rows:
             if row.started_at is not None and (row.started_at < step or drained):
                 norm, stage_norms, (mean, worst) = self.grad_norms.read(row.step)
@@ -309,7 +311,7 @@ class StreamingSteps:
                     stages.update({f"grad_norm/stage{s}": stage_norms[s], f"staleness/stage{s}": mean[s],
                                    f"staleness_max/stage{s}": worst[s]})
                 self.trainer.metrics_processor.write_held(row.step, row.metrics, norm, stages)
-            elif row.started_at is None and (row.step < step or drained):
+            elif row.started_at is None and (row.step + behind <= step or drained):
                 self.grad_norms.start(row.step, row.update, row.staleness)
                 row.started_at = step
         del self.rows[:logged]
