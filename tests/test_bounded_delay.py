@@ -14,8 +14,8 @@ import torch
 import device_replay
 import independent_reference as ref
 import nccl_model
-from conftest import cli_in_process, metrics, sets
-from test_independent_reference import assert_different, assert_equal, differences, pipelined, reference_inputs, resumed_at_step_3
+from conftest import cli_in_process, metrics, run_cli, sets
+from test_independent_reference import STEPS, assert_different, assert_equal, differences, pipelined, reference_inputs
 from titan_async.pipeline.actions import drain_actions, gradient_delay, window_actions
 from titan_async.pipeline.versions import TwoVersions
 
@@ -148,14 +148,16 @@ FOUR_STAGES = 'parallelism.module_fqns_per_model_part=[["tok_embeddings", "layer
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_2bw_on_four_stages_with_fewer_microbatches_equals_the_independent_reference_across_a_resume(tmp_path, microbatches):
     """PP 4 on 4 processes with m = 1 (d = 3) and m = 2 (d = 2) microbatches per step, stopped at
-    the step-3 checkpoint and resumed, against `ref.two_bw` with that delay; the logged global
+    the step-4 checkpoint and resumed, against `ref.two_bw` with that delay; the logged global
     norms wait for stage 0's update, d steps after its batch. Controls: the delays d - 1 and
     d + 1, and the update written into the stale version. The run's communication log passes
     the NCCL model and the device replay."""
     delay = gradient_delay(4, microbatches)
-    run = resumed_at_step_3(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PipeDream2BW",
-                            "parallelism.pipeline_parallel_degree=4", FOUR_STAGES, f"training.local_batch_size={microbatches}",
-                            nproc=4)
+    common = ("parallelism.pipeline_parallel_schedule=PipeDream2BW", "parallelism.pipeline_parallel_degree=4", FOUR_STAGES,
+              f"training.local_batch_size={microbatches}", "checkpoint.interval=4", f"lr_scheduler.total_steps={STEPS}")
+    run = pipelined(tmp_path / "run", *common, "training.steps=4", nproc=4)
+    nccl_model.assert_nccl_safe(run / "comm", 4, bounded=False)
+    run_cli("resume", "--run-dir", str(run), *sets(f"training.steps={STEPS}"), env={"TITAN_ASYNC_BATCH_LOG": str(run / "batches")})
     settings, batches, weights = reference_inputs(run)
     assert len(settings.stages) == 4 and settings.microbatches == microbatches
     update_of_step = lambda step: step
@@ -163,8 +165,11 @@ def test_2bw_on_four_stages_with_fewer_microbatches_equals_the_independent_refer
     for control in ({"delay": delay - 1}, {"delay": delay + 1}, {"delay": delay, "variant": "stale"}):
         assert_different(differences(run, weights, ref.two_bw(settings, batches, **control), update_of_step))
     assert {row[f"staleness_max/stage{s}"] for row in metrics(run).values() for s in range(4)} <= {0.0, float(delay)}
-    nccl_model.assert_nccl_safe(run / "comm", 4)
-    device_replay.assert_flows_as_simulated(run / "comm", "PipeDream2BW", 4, microbatches=microbatches)
+    # Uninterrupted long enough to fill the pipeline after the start (d windows) and run steady:
+    # no stage waits on another's collective, and each idles as simulated (not at all).
+    steady = pipelined(tmp_path / "steady", *common[:4], "training.steps=10", "checkpoint.enable=false", nproc=4)
+    nccl_model.assert_nccl_safe(steady / "comm", 4)
+    device_replay.assert_flows_as_simulated(steady / "comm", "PipeDream2BW", 4, microbatches=microbatches)
 
 
 def test_gradient_delay_of_two_steps_equals_the_independent_reference(tmp_path):

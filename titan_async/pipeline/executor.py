@@ -66,6 +66,8 @@ class StageExecutor:
         self.crossed: list[int] = []
         self.hold_updates = False
         self.held: list[int] = []
+        self.expected_upto = {ACTIVATION: -1, GRADIENT: -1}
+        """The latest microbatch of each kind told to the transport (`expect`)."""
 
     def ready(self, action: _Action) -> bool:
         """Whether the input `action` waits for has arrived (always true for blocking transports)."""
@@ -73,14 +75,24 @@ class StageExecutor:
             return self.is_first or self.transport.has(ACTIVATION, action.microbatch_index)
         return self.is_last or self.transport.has(GRADIENT, action.microbatch_index)
 
-    def expect(self, actions: list[_Action], previous: list[_Action] | None, following: list[_Action] | None) -> None:
+    def expect(self, actions: list[_Action], previous: list[_Action] | None, following: list[_Action] | None,
+               ahead: list[_Action] = ()) -> None:
         """Tell the transport which inputs `actions` will consume, in order, and after which of
         this stage's sends each may be received: the actions of the previous and the following
-        stage in the same window say what each consumes before it sends (`consumed_before`)."""
+        stage up to this window say what each consumes before it sends (`consumed_before`).
+        Of `ahead` (the backwards that start the next list) the inputs a neighbour sends in this
+        window are expected too, so that their receives are posted before the step boundary
+        (`transport`); inputs already expected are not told again."""
         for kind, sender, action_type in ((ACTIVATION, previous, _ComputationType.FORWARD), (GRADIENT, following, _ComputationType.FULL_BACKWARD)):
-            if sender is not None:
-                needs = consumed_before(sender, action_type)
-                self.transport.expect(kind, [(a.microbatch_index, needs[a.microbatch_index]) for a in actions if a.computation_type == action_type])
+            if sender is None:
+                continue
+            needs = consumed_before(sender, action_type)
+            messages = [(a.microbatch_index, needs[a.microbatch_index]) for a in [*actions, *ahead]
+                        if a.computation_type == action_type and a.microbatch_index > self.expected_upto[kind]
+                        and a.microbatch_index in needs]
+            if messages:
+                self.expected_upto[kind] = messages[-1][0]
+                self.transport.expect(kind, messages)
 
     def run_action(
         self, action: _Action, microbatches: dict[int, Microbatch], loss_kwargs: dict[str, Any], optimizer_step: Callable[[], None]

@@ -34,10 +34,12 @@ class StreamEngine:
         self.previous_actions: Callable[[int], list] = lambda stage: []
         self.loss_kwargs: dict[str, Any] = {}
 
-    def _run(self, actions_of: Callable[[int], list], microbatches: dict[int, Microbatch]) -> list[torch.Tensor]:
+    def _run(self, actions_of: Callable[[int], list], microbatches: dict[int, Microbatch],
+             ahead_of: Callable[[int], list] = lambda stage: []) -> list[torch.Tensor]:
         """Run every local stage's `actions_of(stage)`. A neighbour's actions of the previous run
         and this one (computed, not run here: a message consumed now was produced in one of
-        them) tell each stage's transport when its receives may be posted."""
+        them) tell each stage's transport when its receives may be posted; `ahead_of(stage)`,
+        the backwards that start the stage's next list, which of its next inputs are sent now."""
         previous = self.previous_actions
 
         def neighbour(stage: int) -> list | None:
@@ -47,7 +49,7 @@ class StreamEngine:
         for executor in self.executors:
             stage = executor.stage
             queues[stage] = deque(actions_of(stage))
-            executor.expect(list(queues[stage]), neighbour(stage - 1), neighbour(stage + 1))
+            executor.expect(list(queues[stage]), neighbour(stage - 1), neighbour(stage + 1), ahead_of(stage))
         self.previous_actions = actions_of
         losses = []
         while any(queues.values()):
@@ -81,7 +83,8 @@ class StreamEngine:
             self.since = first
         since = self.since
         losses = self._run(lambda stage: plan.window_actions(stage, self.num_stages, self.microbatches, window, since),
-                           dict(enumerate(microbatches, start=first)))
+                           dict(enumerate(microbatches, start=first)),
+                           lambda stage: plan.drain_actions(stage, self.num_stages, self.microbatches, window, since))
         self.drained = False
         return losses
 

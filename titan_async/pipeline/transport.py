@@ -7,13 +7,16 @@ tags are ignored):
 - One communicator per direction of each pipeline edge (torch's directed rank-edge groups,
   `torch.distributed.pipelining._p2p._build_p2p_edge_groups`). Each carries one kind of
   message from one sender to one receiver: activations s -> s+1, gradients s+1 -> s.
-- Both ends of a communicator issue its messages in the same order: the first message is
-  a shape header, then the tensors in the order the receiver's actions consume them
-  (microbatch order, which is also the order the sender produces them).
-- Receives are posted only for messages the receiver's current action list will consume
-  (`expect`), in that order, at most `depth` ahead; each is waited right before its tensor
-  is used. No receive is left posted across a drain, so validation traffic cannot match
-  a receive meant for training.
+- Both ends of a communicator issue its messages in the same order: for activations the
+  first message is a shape header, then the tensors in the order the receiver's actions
+  consume them (microbatch order, which is also the order the sender produces them).
+  Gradients have no header: a gradient has the shape and dtype of the activation it answers.
+- Receives are posted only for messages the receiver's action lists will consume (`expect`),
+  in that order, at most `depth` ahead; each is waited right before its tensor is used. With
+  fewer microbatches per window than in flight (m < w) a gradient sent in one window is
+  consumed in the next: it is expected (and its receive posted) in the window that sends
+  it, so no send waits across a step boundary. No receive is left posted across a drain,
+  so validation traffic cannot match a receive meant for training.
 - A receive is posted only once this rank has issued every send the peer consumes before it
   sends that message (`expect`'s second number; as torch's `_batch_p2p` pairs a receive with
   the send before it). On NCCL a posted receive is a kernel that spins until its message
@@ -60,8 +63,11 @@ class _Inbound:
     """Receives of one kind from one peer on that direction's communicator, in order, each
     posted once `replies` (the sends to the same peer) has sent what it depends on."""
 
-    def __init__(self, peer: int, group: dist.ProcessGroup, device: torch.device, depth: int, replies: _Outbound) -> None:
+    def __init__(self, peer: int, group: dist.ProcessGroup, device: torch.device, depth: int, replies: _Outbound,
+                 headerless: bool = False) -> None:
+        """`headerless` (gradients): the messages have the shape and dtype of the `replies` sent."""
         self.peer, self.group, self.device, self.depth, self.replies = peer, group, device, depth, replies
+        self.headerless = headerless
         self.meta: tuple[torch.Size, torch.dtype] | None = None
         self.expected: deque[tuple[int, int | None]] = deque()
         self.posted: deque[tuple[int, dist.Work, torch.Tensor]] = deque()
@@ -74,15 +80,17 @@ class _Inbound:
 
     def post(self) -> None:
         """Post the expected receives whose dependencies were sent, at most `depth` ahead."""
+        if self.meta is None and self.headerless:
+            self.meta = self.replies.meta
         if self.meta is None:
-            return  # the header is received when the first message is needed
+            return  # the header is received when the first message is needed (or, headerless, once a reply went)
         shape, dtype = self.meta
         while self.expected and len(self.posted) < self.depth and self.replies.has_sent(self.expected[0][1]):
             buffer = torch.empty(shape, dtype=dtype, device=self.device)
             self.posted.append((self.expected.popleft()[0], dist.irecv(buffer, self.peer, group=self.group), buffer))
 
     def recv(self, microbatch: int) -> torch.Tensor:
-        if self.meta is None:
+        if self.meta is None and not self.headerless:
             self._read_header()
         self.post()
         if not self.posted or self.posted[0][0] != microbatch:
@@ -102,8 +110,8 @@ class _Inbound:
 class _Outbound:
     """Sends of one kind to one peer on that direction's communicator, at most `depth` outstanding."""
 
-    def __init__(self, peer: int, group: dist.ProcessGroup, device: torch.device, depth: int) -> None:
-        self.peer, self.group, self.device, self.depth = peer, group, device, depth
+    def __init__(self, peer: int, group: dist.ProcessGroup, device: torch.device, depth: int, headerless: bool = False) -> None:
+        self.peer, self.group, self.device, self.depth, self.headerless = peer, group, device, depth, headerless
         self.meta: tuple[torch.Size, torch.dtype] | None = None
         self.outstanding: deque[tuple[dist.Work, torch.Tensor]] = deque()
         self.last_sent = -1
@@ -122,11 +130,12 @@ class _Outbound:
         tensor = tensor.detach().contiguous()
         if self.meta is None:
             self.meta = (tensor.shape, tensor.dtype)
-            header = torch.zeros(_HEADER, dtype=torch.int64)
-            header[0] = tensor.dim()
-            header[1 : 1 + tensor.dim()] = torch.tensor(tensor.shape)
-            header[-1] = _DTYPES.index(tensor.dtype)
-            self._isend(header.to(self.device))
+            if not self.headerless:
+                header = torch.zeros(_HEADER, dtype=torch.int64)
+                header[0] = tensor.dim()
+                header[1 : 1 + tensor.dim()] = torch.tensor(tensor.shape)
+                header[-1] = _DTYPES.index(tensor.dtype)
+                self._isend(header.to(self.device))
         elif (tensor.shape, tensor.dtype) != self.meta:
             raise RuntimeError(
                 f"pipeline transport: a stage output of shape {tuple(tensor.shape)} {tensor.dtype} after "
@@ -150,11 +159,12 @@ class P2PTransport:
         self.inbound: dict[int, _Inbound] = {}
         self.outbound: dict[int, _Outbound] = {}
         if stage > 0:
-            self.outbound[GRADIENT] = _Outbound(*_link(groups, stage, stage - 1), device, depth)
+            self.outbound[GRADIENT] = _Outbound(*_link(groups, stage, stage - 1), device, depth, headerless=True)
             self.inbound[ACTIVATION] = _Inbound(*_link(groups, stage - 1, stage), device, depth, self.outbound[GRADIENT])
         if stage < num_stages - 1:
             self.outbound[ACTIVATION] = _Outbound(*_link(groups, stage, stage + 1), device, depth)
-            self.inbound[GRADIENT] = _Inbound(*_link(groups, stage + 1, stage), device, depth, self.outbound[ACTIVATION])
+            self.inbound[GRADIENT] = _Inbound(*_link(groups, stage + 1, stage), device, depth, self.outbound[ACTIVATION],
+                                              headerless=True)
 
     def expect(self, kind: int, messages: list[tuple[int, int | None]]) -> None:
         """The next `kind` messages this stage will consume, in order, as (microbatch, the latest

@@ -43,8 +43,9 @@ class StreamingSteps:
     `policies` and `balances` hold each local stage's weight policy and load balance.
 
     A logging step's metrics row waits for the global gradient norm of the update that applied
-    its batch (`StageGradNorms`): summed a step after every stage made that update and read a
-    step later, so the row of step t is logged at step t + d + 1 (d = 1 unless m < p - 1), or at the next drain (with lagged
+    its batch (`StageGradNorms`): summed d steps after its batch, once every stage made that
+    update, and read d steps later (d = `windows_behind`, 1 unless m < p - 1), so the row of
+    step t is logged at step t + 2d, or at the next drain (with lagged
     global clipping every step has a row, logged or not, for its norm). The row also
     holds each stage's norm and its delays since the previous row (`_take_staleness`): their mean
     (staleness/stage<s>) and largest (staleness_max/stage<s>)."""
@@ -292,14 +293,13 @@ class StreamingSteps:
         return next(iter(self.policies.values()))[0]
 
     def _log_rows(self, drained: bool) -> None:
-        """Log each waiting row whose norm was started at an earlier step; start the norms of
-        rows at least d steps old, d = ceil((p - 1) / m) (`actions.gradient_delay`): every stage
-        has made their updates by then, stage 0 making the update of batch t - 1 in window
-        t - 1 + d. Drained, every update is made: start and log them all."""
-        step, logged = self.trainer.step, 0
-        behind = gradient_delay(self.stream.num_stages, self.stream.microbatches)
+        """Log each waiting row whose norm was started d steps ago; start the norms of rows d
+        steps old, d = `windows_behind`: every stage has made their updates by then, stage 0
+        making the update of batch t - 1 in window t - 1 + d, and every rank has started the sum
+        by the time it is read. Drained, every update is made: start and log them all."""
+        step, logged, behind = self.trainer.step, 0, self.windows_behind
         for row in self.rows:
-            if row.started_at is not None and (row.started_at < step or drained):
+            if row.started_at is not None and (row.started_at + behind <= step or drained):
                 norm, stage_norms, (mean, worst) = self.grad_norms.read(row.step)
                 if self.lagged_clipping:
                     self.lagged_clipping.record(row.step, norm)
@@ -353,6 +353,13 @@ class StreamingSteps:
             parts = {k: v.chunk(count) for k, v in input_dict.items()}
             split += [({k: v[i] for k, v in parts.items()}, labels.chunk(count)[i]) for i in range(count)]
         return split
+
+    @property
+    def windows_behind(self) -> int:
+        """The windows by which the first stage's backwards trail the last stage's, and so the
+        steps a stage's all-reduce waits before it is read: ceil((p - 1) / m), at least 1
+        (`actions.gradient_delay`)."""
+        return gradient_delay(self.stream.num_stages, self.stream.microbatches)
 
     def drain(self) -> None:
         """Empty the stream; with two versions, expose the latest (W[step]) for saving and validation."""

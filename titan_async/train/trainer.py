@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from collections import deque
 import sys
 import time
 from collections.abc import Callable
@@ -64,7 +65,10 @@ class StopRequest:
     def __init__(self) -> None:
         self.reason: str | None = None
         self.signals = 0
-        self.pending: LateAllReduce | None = None
+        self.pending: deque[LateAllReduce] = deque()
+        self.behind = 1
+        """Calls between an all-reduce's start and its read: the windows by which the pipeline's
+        first stage trails its last (`actions.gradient_delay`; 1 without a pipeline)."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
@@ -82,17 +86,20 @@ class StopRequest:
         self.reason = self.reason or reason
 
     def agreed(self, device: torch.device) -> str | None:
-        """The reason to stop that any rank had at its previous call, on every rank.
+        """The reason to stop that any rank had `behind` calls ago, on every rank.
 
-        Each call starts one all-reduce and reads the previous call's, which every rank started
-        a step ago (`LateAllReduce`): a step boundary is then no synchronisation point, on the host or
-        on a device, so a streaming pipeline keeps flowing across it. A stop takes effect one
-        step after the request."""
+        Each call starts one all-reduce and reads the one every rank started `behind` steps ago
+        (`LateAllReduce`): a step boundary is then no synchronisation point, on the host or on a
+        device, so a streaming pipeline keeps flowing across it (its last stage finishes a
+        window up to `behind` windows after the first). A stop takes effect `behind` steps
+        after the request."""
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return self.reason
         code = torch.full((1,), self.REASONS.index(self.reason), device=device)
-        previous, self.pending = self.pending, LateAllReduce(code, dist.ReduceOp.MAX)
-        return None if previous is None else self.REASONS[int(previous.read()[0])]
+        self.pending.append(LateAllReduce(code, dist.ReduceOp.MAX))
+        if len(self.pending) <= self.behind:
+            return None
+        return self.REASONS[int(self.pending.popleft().read()[0])]
 
 
 class AsyncTrainer(Trainer):
@@ -119,6 +126,7 @@ class AsyncTrainer(Trainer):
         self.save_hooks = SaveHooks(self.checkpointer)
         self.first_step_hooks: list[Callable[[], None]] = []  # called once, as the first step this process trains starts
         self.steps = self._step_runner()
+        self.stop_request.behind = getattr(self.steps, "windows_behind", 1)
         keep_weight_versions(self, self.steps)
         configured_over_loaded(self)
         self.benchmarks = self._benchmark_after_saves(config)
