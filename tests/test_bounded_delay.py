@@ -14,7 +14,7 @@ import torch
 import device_replay
 import independent_reference as ref
 import nccl_model
-from conftest import cli_in_process, metrics, run_cli, sets
+from conftest import TINY, cli_in_process, metrics, run_cli, sets
 from test_independent_reference import STEPS, assert_different, assert_equal, differences, pipelined, reference_inputs
 from titan_async.pipeline.actions import drain_actions, gradient_delay, window_actions
 from titan_async.pipeline.versions import TwoVersions
@@ -181,3 +181,17 @@ def test_gradient_delay_of_two_steps_equals_the_independent_reference(tmp_path):
     assert_equal(differences(run, weights, ref.two_bw(settings, batches, delay=2), lambda step: step))
     for delay in (1, 3):
         assert_different(differences(run, weights, ref.two_bw(settings, batches, delay=delay), lambda step: step))
+
+
+def test_resume_refuses_a_change_of_the_delay(tmp_path, capsys):
+    """Fewer microbatches on resume would need another number of weight versions than the
+    checkpoint holds: refused in one line, naming both."""
+    run = tmp_path / "run"
+    code, _, err = cli_in_process(capsys, "train", "--run-dir", str(run), *sets(
+        *TINY, "parallelism.pipeline_parallel_schedule=PipeDream2BW", "parallelism.emulated_stages=4",
+        "training.local_batch_size=2", "parallelism.pipeline_parallel_microbatch_size=1", "training.steps=2",
+        "checkpoint.interval=2", "validation.enable=false"))
+    assert code == 0, err
+    code, _, err = cli_in_process(capsys, "resume", "--run-dir", str(run), *sets("training.local_batch_size=1", "training.steps=3"))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "a delay of 2 steps (3 weight versions)" in err and "a delay of 3 steps (4 weight versions)" in err

@@ -36,9 +36,9 @@ from titan_async.model.meta import MetaModel, build_meta_model
 from titan_async.optim.newton_schulz import resolve_dtype
 from titan_async.optim.routing import route_parameters
 from titan_async.pipeline.load_balance import BIAS
-from titan_async.pipeline.config import accumulation_steps
+from titan_async.pipeline.config import accumulation_steps, pipeline_delay
 from titan_async.pipeline.in_flight import rank_chunks
-from titan_async.pipeline.schedules import SchedulePipeDream2BW, streaming_schedule
+from titan_async.pipeline.schedules import streaming_schedule
 from titan_async.pipeline.split import split_stages
 
 
@@ -62,7 +62,9 @@ class Layout:
     emulated: bool
     fsdp_applied: bool
     """Whether FSDP2 wraps the stages (`plain_parameters` says when it does not)."""
-    two_versions: bool
+    delay: int
+    """d: the steps by which 2BW's gradients (or `training.gradient_delay`'s) are delayed, kept as
+    d + 1 weight versions; 0 without versions (`pipeline.config.pipeline_delay`)."""
     streaming: bool
 
     def gpus_per_pp_rank(self, world_size: int) -> int:
@@ -122,7 +124,7 @@ def make_layout(run: RunConfig, cluster: Cluster, model_config) -> Layout:
         rank_stages=ranks,
         emulated=bool(p.emulated_stages) and pp == 1,
         fsdp_applied=not plain_parameters(run, cluster.world_size),
-        two_versions=streaming is SchedulePipeDream2BW or bool(t.gradient_delay),
+        delay=pipeline_delay(t, p, run.data_parallel_degree(cluster.world_size), run.microbatches()),
         streaming=streaming is not None,
     )
 
@@ -203,9 +205,9 @@ def make_setup(run: RunConfig, layout: Layout, vocab: int, gpu: bool = True) -> 
         fsdp=layout.fsdp_applied,
         fsdp_degree=layout.fsdp,
         unsharded_for_step=layout.pp > 1,
-        version_copies=2 if t.weight_prediction else int(layout.two_versions),
-        copies_on_last_stage=not (t.weight_prediction and not layout.two_versions),
-        gathered_versions=int(layout.two_versions and layout.fsdp_applied and layout.pp > 1),
+        version_copies=2 if t.weight_prediction else layout.delay,
+        copies_on_last_stage=not (t.weight_prediction and not layout.delay),
+        gathered_versions=int(layout.delay > 0 and layout.fsdp_applied and layout.pp > 1),
         optimizer=run.optimizer.name,
         error_feedback=run.optimizer.error_feedback.enabled,
         activation_checkpoint=run.activation_checkpoint.mode,

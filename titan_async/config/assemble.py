@@ -19,6 +19,7 @@ from titan_async.model.hf_weights import check_hf_weights
 from titan_async.model.llama import build_model_spec
 from titan_async.optim.section import ON_RESUME
 from titan_async.parallel.expert import with_expert_parallel_backend
+from titan_async.pipeline.config import pipeline_delay
 from titan_async.pipeline.schedules import register as register_schedules, streaming_schedule
 from titan_async.pipeline.split import split_stages
 from titan_async.train.trainer import AsyncTrainer
@@ -27,7 +28,7 @@ ACTIVATION_CHECKPOINTS = {"none": None, "selective": SelectiveAC.Config, "full":
 
 RESUME_REFUSES = {
     **{key: reason for key, reason in ON_RESUME.items() if reason},
-    "training.gradient_delay": "the checkpoints hold a second weight version, or none",
+    "training.gradient_delay": "the checkpoints hold as many weight versions as its delay, or none",
     "training.clipping": "the checkpoints hold the global norms lagged clipping needs, or none",
     "training.sync_start_steps": "the checkpoints' weight versions and update counts follow the step of the switch",
     "training.weight_prediction": "the checkpoints hold the predicted versions made with that horizon, or none",
@@ -66,11 +67,14 @@ def _weight_versions(run: RunConfig) -> bool:
 def checkpoint_contents(run: RunConfig) -> dict[str, object]:
     """The settings that decide which states a checkpoint holds, by the keys that set them."""
     p = run.parallelism
+    delay = pipeline_delay(run.training, p, run.data_parallel_degree(run.implied_world_size()), run.microbatches())
     versions = "no weight versions (a synchronous schedule)"
     if run.training.gradient_delay:
-        versions = "gradient_delay = 1"
+        versions = f"gradient_delay = {delay}"
     elif streaming_schedule(p.pipeline_parallel_schedule):
         versions = f"{p.pipeline_parallel_schedule} on {p.emulated_stages or p.pipeline_parallel_degree} stages"
+        if delay > 1:
+            versions += f", a delay of {delay} steps ({delay + 1} weight versions)"
     return {
         **{key: attrgetter(key)(run) for key, reason in ON_RESUME.items() if reason},
         "parallelism.pipeline_parallel_schedule/pipeline_parallel_degree/emulated_stages, training.gradient_delay": versions,

@@ -31,7 +31,7 @@ from titan_async.optim.error_feedback import PREVIOUS_UPDATE, STEPS
 from titan_async.parallel.expert import with_expert_parallel_backend
 from titan_async.parallel.fsdp_stage import FsdpStage
 from titan_async.parallel.fsdp_traffic import count_fsdp_traffic
-from titan_async.pipeline.actions import pipeline_order
+from titan_async.pipeline.actions import gradient_delay, pipeline_order
 from titan_async.pipeline.emulation import stage_modules, stage_view
 from titan_async.pipeline.load_balance import moe_blocks
 from titan_async.pipeline.schedules import StreamingSchedule
@@ -111,7 +111,7 @@ class TrainerSetup:
 def _weight_policies(run: RunConfig, layout: Layout, parts: list[torch.nn.Module], schedule: Any) -> list[tuple[torch.nn.Module, Any]]:
     """(stage module, weight policy) as the trainer attaches them: a streaming schedule's stream
     (`attach`: its FSDP units held gathered, P2P transport, executor), the emulation's stage
-    views, `training.gradient_delay`'s two versions of the whole model; none otherwise."""
+    views, `training.gradient_delay`'s d + 1 versions of the whole model; none otherwise."""
     accumulation, t = run.parallelism.paci.accumulation, run.training
     if isinstance(schedule, StreamingSchedule):
         stream = schedule.attach(optimizer_step=_no_step, microbatches=layout.window, accumulation=accumulation, keep_trace=False,
@@ -120,9 +120,11 @@ def _weight_policies(run: RunConfig, layout: Layout, parts: list[torch.nn.Module
     if layout.emulated:
         views = [stage_view(parts[0], names) for names in stage_modules(run.parallelism, len(parts[0].layers))]
         return [(view, make_policy(layout.schedule, view, layout.window, accumulation, sync_start=t.sync_start_steps,
-                                   prediction=t.weight_prediction, stages_after=len(views) - 1 - i)) for i, view in enumerate(views)]
+                                   prediction=t.weight_prediction, stages_after=len(views) - 1 - i,
+                                   lag=gradient_delay(len(views), layout.window))) for i, view in enumerate(views)]
     if t.gradient_delay:
-        return [(parts[0], two_versions(parts[0], 1, FsdpStage.of(parts[0]), t.sync_start_steps, t.weight_prediction))]
+        return [(parts[0], two_versions(parts[0], 1, FsdpStage.of(parts[0]), t.sync_start_steps, t.weight_prediction,
+                                        t.gradient_delay))]
     return []
 
 
