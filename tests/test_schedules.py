@@ -136,9 +136,8 @@ def test_split_backward_schedules_turn_off_donated_buffers(monkeypatch):
     "assignment, message",
     [
         ("parallelism.pipeline_parallel_schedule=Zigzag", "unknown schedule; valid names are 1F1B, GPipe"),
-        ("parallelism.pipeline_parallel_microbatch_size=8", "needs at least as many microbatches per step as stages"),
         ("parallelism.paci.accumulation=0", "parallelism.paci.accumulation: expected a positive integer, got 0"),
-        ("training.gradient_delay=2", "training.gradient_delay: expected 0 or 1, got 2"),
+        ("training.gradient_delay=17", "training.gradient_delay: expected an integer in [0, 16], got 17"),
         ("training.clipping=global", "training.clipping must be one of 'per_stage', 'lagged_global', got 'global'"),
         ("training.weight_prediction=-1", "training.weight_prediction: expected a number >= 0, got -1.0"),
         ("training.weight_prediction=1 parallelism.pipeline_parallel_schedule=1F1B", "parallelism.pipeline_parallel_schedule = '1F1B' has no delay"),
