@@ -1,5 +1,5 @@
-"""PipeDream-2BW with fewer microbatches per step than stages: a bounded, uniform delay
-d = ceil((p - 1) / m) and d + 1 weight versions.
+"""Fewer microbatches per step than stages: PipeDream-2BW with a bounded, uniform delay
+d = ceil((p - 1) / m) and d + 1 weight versions; PACI with m = a = 1 on 4 stages.
 
 The policy is driven here through the first stage's own action order (`actions.window_actions`,
 drains included) on a least-squares problem with SGD, against the recurrence written out:
@@ -195,3 +195,15 @@ def test_resume_refuses_a_change_of_the_delay(tmp_path, capsys):
     code, _, err = cli_in_process(capsys, "resume", "--run-dir", str(run), *sets("training.local_batch_size=1", "training.steps=3"))
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "a delay of 2 steps (3 weight versions)" in err and "a delay of 3 steps (4 weight versions)" in err
+
+
+def test_paci_on_four_stages_with_one_microbatch_flows_as_simulated(tmp_path):
+    """PACI at p = 4 with m = a = 1: stage s crosses p - 1 - s of its own local steps between a
+    microbatch's forward and backward (its rule against the hand-written reference:
+    test_pipeline_references.py); its log passes the NCCL model and the device replay."""
+    run = pipelined(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PACI", "parallelism.pipeline_parallel_degree=4",
+                    FOUR_STAGES, "training.local_batch_size=1", "training.steps=10", "checkpoint.enable=false", nproc=4)
+    rows = metrics(run)
+    assert [rows[10][f"staleness_max/stage{s}"] for s in range(4)] == [3.0, 2.0, 1.0, 0.0]
+    nccl_model.assert_nccl_safe(run / "comm", 4)
+    device_replay.assert_flows_as_simulated(run / "comm", "PACI", 4, microbatches=1, accumulation=1)

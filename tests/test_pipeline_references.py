@@ -42,11 +42,12 @@ def free_port() -> int:
 def run_pipeline(tmp_path: Path, schedule: str, stages: int, optimizer: str, accumulation: int = M, variant: str = "exact",
                  checkpointing: str = "none"):
     """Train the toy pipeline on `stages` processes, its blocks under activation `checkpointing`
-    ("none" or "full"); returns (stage -> {"updates", "evaluations"}, communication logs)."""
+    ("none" or "full"), `M` microbatches per window (this module's, which a test may patch);
+    returns (stage -> {"updates", "evaluations"}, communication logs)."""
     out, comm = tmp_path / "out", tmp_path / "comm"
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={stages}", f"--master-port={free_port()}"]
     run_worker([*launcher, str(WORKER), "pipeline", schedule, optimizer, str(accumulation), variant, checkpointing, str(out)],
-               {"TITAN_ASYNC_COMM_LOG": str(comm), "TITAN_ASYNC_STREAM_MODEL": "1"})
+               {"TITAN_ASYNC_COMM_LOG": str(comm), "TITAN_ASYNC_STREAM_MODEL": "1", "TOY_MICROBATCHES": str(M)})
     return {s: torch.load(out / f"stage{s}.pt") for s in range(stages)}, comm
 
 
@@ -216,6 +217,18 @@ def test_paci_pipeline_follows_its_per_stage_rule(tmp_path, stages, optimizer, a
     assert mismatch(pipelined, *paci_reference(stages, optimizer, accumulation)) < 1e-6
     assert mismatch(pipelined, *paci_reference(stages, optimizer, accumulation, backward="stashed")) > 1e-4
     nccl_model.assert_nccl_safe(comm, stages)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_paci_with_fewer_microbatches_than_stages_follows_its_per_stage_rule(tmp_path, monkeypatch, microbatches):
+    """p = 4 with m = a = 1 and m = a = 2: a microbatch of stage 0 crosses up to ceil(3 / a)
+    local steps of its stage between forward and backward (3 and 2), and its gradients reach
+    back several windows."""
+    monkeypatch.setattr(sys.modules[__name__], "M", microbatches)
+    pipelined, comm = run_pipeline(tmp_path, "PACI", 4, "sgd", microbatches)
+    assert mismatch(pipelined, *paci_reference(4, "sgd", microbatches)) < 1e-6
+    assert mismatch(pipelined, *paci_reference(4, "sgd", microbatches, backward="stashed")) > 1e-4
+    nccl_model.assert_nccl_safe(comm, 4)
 
 
 def test_paci_under_full_activation_checkpointing_follows_the_recomputed_rule(tmp_path):

@@ -185,7 +185,7 @@ def test_a_torn_last_line_of_the_record_is_ignored(tmp_path):
 
 def test_plan_staleness_predicts_each_correctors_cost_for_the_config():
     run = load_run_config(CONFIGS / "10b_2bw_muon.toml")
-    report = staleness_report(run, 10_000_000_000, 4_194_304, LAW)
+    report = staleness_report(run, 10_000_000_000, 4_194_304, law=LAW)
     steps = run.training.steps
     tokens = steps * 4_194_304
     assert report["tokens"] == tokens and report["config_corrector"] == "ef"
@@ -195,6 +195,21 @@ def test_plan_staleness_predicts_each_correctors_cost_for_the_config():
         assert found["token_efficiency_range"] == pytest.approx([math.exp(-2 * y), math.exp(-y / 2)])
         assert found["gap"] == pytest.approx(staleness.chinchilla_slope(tokens) * y)
     assert any(note.startswith("parameters 10,000,000,000 lie outside") for note in report["extrapolated"])
+    assert not any("delays each gradient by" in note for note in report["notes"])
+
+
+def test_plan_staleness_says_where_the_configs_delay_is_not_one_step():
+    """2BW with fewer microbatches than stages delays by d steps, PACI stepping every a < p - 1
+    backwards crosses several updates: the delay-1 law understates both, and the notes say so."""
+    run = load_run_config(CONFIGS / "10b_2bw_muon.toml")
+    notes = staleness_report(run, 10_000_000_000, 4_194_304, delay=3, stages=8, window=3, law=LAW)["notes"]
+    assert notes[0].startswith("this config delays each gradient by 3 steps") and "understate" in notes[0]
+    paci = load_run_config(CONFIGS / "10b_paci_adamw.toml", ["parallelism.paci.accumulation=2"])
+    notes = staleness_report(paci, 10_000_000_000, 4_194_304, stages=8, window=16, law=LAW)["notes"]
+    assert "a microbatch crosses up to 4 updates of its stage" in notes[-1]
+    every_seventh = load_run_config(CONFIGS / "10b_paci_adamw.toml", ["parallelism.paci.accumulation=7"])
+    notes = staleness_report(every_seventh, 10_000_000_000, 4_194_304, stages=8, window=16, law=LAW)["notes"]
+    assert "bound its cost from above" in notes[-1]
 
 
 def test_plan_staleness_json_carries_the_shipped_laws_prediction(capsys):

@@ -6,12 +6,15 @@ hand-written references each implement training on it in their own way.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 DIM, LAYERS_PER_STAGE, ROWS = 8, 2, 3
 LR = {"sgd": 0.05, "adamw": 0.01}
-M, WINDOWS, DRAIN_AFTER = 4, 5, (1,)
-"""Microbatches per batch, batches, and the windows after which the pipeline drains (and the last)."""
+M, WINDOWS, DRAIN_AFTER = int(os.environ.get("TOY_MICROBATCHES", "4")), 5, (1,)
+"""Microbatches per batch (TOY_MICROBATCHES, default 4), batches, and the windows after which
+the pipeline drains (and the last)."""
 EVAL_IDS = 1 << 20
 
 

@@ -16,8 +16,10 @@ gap = s x ln(1 / eta). The study's own slope is that of its tiny models and data
 the slope is Chinchilla's (Hoffmann et al. 2022, L = E + A / N^alpha + B / D^beta, so
 s = beta x B x D^-beta), stated as such wherever a gap is shown.
 
-A PACI microbatch crosses at most one update of its stage (`a >= p - 1`, docs/schedules.md), so
-the delay-1 law bounds PACI's cost from above.
+A PACI microbatch crosses at most one update of its stage when the stage steps every a >= p - 1
+backwards (docs/schedules.md), so the delay-1 law bounds PACI's cost from above there; with
+fewer it crosses up to ceil((p - 1) / a), and a PipeDream2BW with fewer microbatches than stages
+delays by d = ceil((p - 1) / m) steps: the law, fitted at delay 1, understates both.
 """
 
 from __future__ import annotations

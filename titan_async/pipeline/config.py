@@ -131,11 +131,9 @@ def check_delay(training: DelayTraining, parallelism: PipelineParallelism, data_
     return None
 
 
-def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism, data_parallel: int, microbatches: int) -> str | None:
-    """Why this schedule/delay combination cannot run, naming the keys; None if it can.
-
-    A streaming schedule's batch is the global batch: with gradient accumulation, one window
-    holds the microbatches of every accumulated local batch."""
+def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism) -> str | None:
+    """Why this schedule/delay combination cannot run, naming the keys; None if it can (a delay
+    of several steps: `check_delay`)."""
     name = parallelism.pipeline_parallel_schedule
     key = f"parallelism.pipeline_parallel_schedule = {name!r}"
     if name.lower() not in {n.lower() for n in SCHEDULE_NAMES}:
@@ -179,11 +177,6 @@ def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism, da
     for feature, present in unsupported.items():
         if present:
             return f"{key} does not support {feature} yet"
-    accumulated = accumulation_steps(training, data_parallel)
-    count = (f"training.local_batch_size / parallelism.pipeline_parallel_microbatch_size"
-             f"{f' x {accumulated} accumulated local batches' if accumulated > 1 else ''} = {microbatches * accumulated}")
-    if schedule is SchedulePACI and microbatches * accumulated < p - 1:
-        return f"{key} needs at least as many microbatches per step as the first stage holds in flight (stages - 1): {count} < {p - 1}"
     return None
 
 

@@ -101,6 +101,7 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True, simulation: Si
             "accumulation_steps": layout.accumulation_steps,
             "window": layout.window,
             "windows_per_step": layout.windows_per_step,
+            "gradient_delay": layout.delay,
             "microbatch_tokens": setup.tokens,
             "tokens_per_step": tokens_per_step,
             "fsdp_applied": layout.fsdp_applied,
@@ -158,7 +159,9 @@ def run_plan(run: RunConfig, cluster: Cluster, strict: bool, as_json: bool, simu
         balanced = make_plan(with_split(run, split["module_fqns_per_model_part"]), cluster, simulation=simulation)
         plan["balance"] = {**split, "schedules": gains(plan["simulation"], balanced["simulation"])}
     if staleness:
-        plan["staleness"] = staleness_report(run, plan["model"]["parameters"], plan["layout"]["tokens_per_step"])
+        layout = plan["layout"]
+        plan["staleness"] = staleness_report(run, plan["model"]["parameters"], layout["tokens_per_step"], layout["gradient_delay"],
+                                             layout["pipeline_stages"], layout["window"])
     print_plan(plan, as_json)
     if staleness and not as_json:
         print(staleness_text(plan["staleness"]))

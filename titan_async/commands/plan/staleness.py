@@ -11,9 +11,11 @@ from titan_async.config.run_config import RunConfig
 from titan_async.pipeline.schedules import STREAMING_SCHEDULES
 
 
-def staleness_report(run: RunConfig, parameters: int, tokens_per_step: int, law: staleness.Law | None = None) -> dict[str, Any]:
+def staleness_report(run: RunConfig, parameters: int, tokens_per_step: int, delay: int = 1, stages: int = 1, window: int = 1,
+                     law: staleness.Law | None = None) -> dict[str, Any]:
     """The predicted delay-1 cost of `run` (`parameters` total, `tokens_per_step` global) for each
-    corrector, JSON-ready."""
+    corrector, JSON-ready; the notes say where the config's own delay (`delay` steps, PACI's
+    local steps on `stages` stages with `window` microbatches per step) is not delay 1."""
     optimizer = run.optimizer.name
     law = law or staleness.law()
     steps, tokens = run.training.steps, run.training.steps * tokens_per_step
@@ -36,8 +38,12 @@ def staleness_report(run: RunConfig, parameters: int, tokens_per_step: int, law:
         "the studies' own loss scale does not transfer",
         f"the law takes steps and parameters; it assumes an lr tuned for the run (the studies swept theirs), "
         f"so optimizer.lr = {run.optimizer.lr:g} is not an input",
-        "PACI: a microbatch crosses at most one update, so the delay-1 figures bound its cost from above",
     ]
+    if schedule.lower() == "paci":
+        notes.append(_paci_note(run, stages, window))
+    if delay > 1:
+        notes.insert(0, f"this config delays each gradient by {delay} steps (fewer microbatches than stages); the law was "
+                        "fitted at a delay of 1 step, so these figures understate its cost")
     if not delayed:
         notes.insert(0, f"the config's schedule {schedule} trains without delay: the figures are those of a delayed run of it")
     return {
@@ -70,11 +76,31 @@ def staleness_text(report: dict[str, Any]) -> str:
         gap_low, gap_high = found["gap_range"]
         mark = "  <- the config" if corrector == report["config_corrector"] else ""
         lines.append(f"  {CORRECTOR_LABELS[corrector]:<28} token efficiency {found['token_efficiency']:.3f} ({low:.3f}..{high:.3f}); "
-                     f"{found['tokens_factor']:.3f}x the tokens to the synchronous loss ({factor_low:.3f}..{factor_high:.3f}); "
-                     f"gap {found['gap']:+.4f} ({gap_low:+.4f}..{gap_high:+.4f}){mark}")
+                     f"{_factor(found['tokens_factor'])}x the tokens to the synchronous loss ({_factor(factor_low)}..{_factor(factor_high)}); "
+                     f"gap {found['gap']:+.4f} ({gap_low:+.4f}..{_gap(gap_high)}){mark}")
     law = report["law"]
     lines.append(f"  law: {law['source']}, fitted on steps {law['steps'][0]:,}..{law['steps'][1]:,} and parameters "
                  f"{law['parameters'][0]:,}..{law['parameters'][1]:,}")
     lines += [f"  extrapolates: {note}" for note in report["extrapolated"]]
     lines += [f"  note: {note}" for note in report["notes"]]
     return "\n".join(lines)
+
+
+def _paci_note(run: RunConfig, stages: int, window: int) -> str:
+    """Whether the delay-1 figures bound PACI's cost: a microbatch crosses at most one local step
+    of its stage when the stage steps every a >= p - 1 backwards, up to ceil((p - 1) / a) when fewer."""
+    accumulation = run.parallelism.paci.accumulation or window
+    if accumulation >= stages - 1:
+        return "PACI: a microbatch crosses at most one update, so the delay-1 figures bound its cost from above"
+    crossed = -(-(stages - 1) // accumulation)
+    return (f"PACI with {accumulation} backwards per local step on {stages} stages: a microbatch crosses up to {crossed} updates "
+            "of its stage, which the delay-1 figures do not bound")
+
+
+def _factor(value: float) -> str:
+    """A tokens factor as text; beyond 1000 (an efficiency near 0, far out of the law's range) only that bound."""
+    return f"{value:.3f}" if value <= 1000 else ">1000"
+
+
+def _gap(value: float) -> str:
+    return f"{value:+.4f}" if value <= 1000 else ">+1000"
