@@ -598,8 +598,9 @@ def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "
            lagged_clip: int | None = None, skipped: frozenset[tuple[int, int]] = frozenset(), sync_start: int = 0,
            prediction: float = 0.0, delay: int = 1, **optimizer_options) -> Result:
     """W[k+1] = W[k] - Opt(grad f_k(W[k-1])), W[-1] = W[0]; each stage clips its own gradient.
-    A `delay` of d > 1 steps (without Sync Start or prediction): W[k+1] = W[k] - Opt(grad f_k(W[k-d])),
-    W[j] = W[0] for j < 0; "stale" then writes the update into W[k-d].
+    A `delay` of d > 1 steps (without Sync Start): W[k+1] = W[k] - Opt(grad f_k(W[k-d])),
+    W[j] = W[0] for j < 0; "stale" then writes the update into W[k-d]; prediction takes it at
+    W[k-d] + h d (W[k-d] - W[k-d-1]).
     With experts the biases are part of W and move by the load-balancing rule from the counts of
     batch k routed at W[k-1] (the microbatches whose gradient the update applies).
     Controls: "stale" applies the update to W[k-1]; "no_delay" takes the gradient at W[k];
@@ -617,7 +618,7 @@ def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "
     (W[sync_start - 1] := W[sync_start]).
     Weight prediction (horizon h = `prediction` > 0): the gradient is taken at
     W[k-1] + h (W[k-1] - W[k-2]) instead of W[k-1], with W[-2] = W[-1] = W[0]."""
-    assert delay == 1 or not (sync_start or prediction)
+    assert delay == 1 or not sync_start
     model = build_model(settings)  # holds W[k]
     previous = copy.deepcopy(model)  # holds W[k-1] (W[k-d])
     past = []  # W[0..k]
@@ -635,12 +636,13 @@ def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "
         if delay > 1:
             past.append(copy.deepcopy(model.state_dict()))
             previous.load_state_dict(past[max(k - delay, 0)])
+            older.load_state_dict(past[max(k - delay - 1, 0)])
         n, total = valid_tokens(batch), 0.0
         for part in local_batch_parts(batch, settings) if variant == "one_at_a_time" else [batch]:
             at = model if variant == "no_delay" or k < sync_start else previous
             if prediction:
                 then, before = previous.state_dict(), older.state_dict()
-                predicted.load_state_dict({name: value + prediction * (value - before[name]) if value.is_floating_point() else value
+                predicted.load_state_dict({name: value + prediction * delay * (value - before[name]) if value.is_floating_point() else value
                                            for name, value in then.items()})
                 at = predicted
             at.zero_grad()

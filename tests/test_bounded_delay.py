@@ -129,7 +129,7 @@ def test_a_delay_of_several_steps_keeps_that_many_versions_more():
 
 @pytest.mark.parametrize("assignment, message", [
     ("model.family=qwen3_moe", "model.family = 'qwen3_moe'"),
-    ("training.weight_prediction=1", "training.weight_prediction = 1"),
+    ("optimizer.error_feedback.enabled=true", "optimizer.error_feedback.enabled = true"),
     ("training.sync_start_steps=2", "training.sync_start_steps = 2"),
     ("training.clipping=lagged_global", "training.clipping = 'lagged_global'"),
 ])
@@ -172,15 +172,23 @@ def test_2bw_on_four_stages_with_fewer_microbatches_equals_the_independent_refer
     device_replay.assert_flows_as_simulated(steady / "comm", "PipeDream2BW", 4, microbatches=microbatches)
 
 
-def test_gradient_delay_of_two_steps_equals_the_independent_reference(tmp_path):
+@pytest.mark.parametrize("prediction", [0.0, 1.0])
+def test_gradient_delay_of_two_steps_equals_the_independent_reference(tmp_path, prediction):
     """`training.gradient_delay = 2` on one process trains the rule of 2BW at d = 2 (the cheap
-    stand-in for studies), against `ref.two_bw(delay=2)`; controls: delays 1 and 3."""
+    stand-in for studies), against `ref.two_bw(delay=2)`, also with weight prediction (h = 1:
+    each gradient taken at W[k-2] + 2 (W[k-2] - W[k-3])), across a resume at step 3; controls:
+    delays 1 and 3, and the prediction's horizon not scaled by the delay."""
     run = pipelined(tmp_path / "run", "training.gradient_delay=2", "parallelism.data_parallel_shard_degree=1",
+                    f"training.weight_prediction={prediction}", f"lr_scheduler.total_steps={STEPS}", "training.steps=3",
                     config="debug_cpu.toml", nproc=1)
+    run_cli("resume", "--run-dir", str(run), *sets(f"training.steps={STEPS}"), env={"TITAN_ASYNC_BATCH_LOG": str(run / "batches")})
     settings, batches, weights = reference_inputs(run)
-    assert_equal(differences(run, weights, ref.two_bw(settings, batches, delay=2), lambda step: step))
-    for delay in (1, 3):
-        assert_different(differences(run, weights, ref.two_bw(settings, batches, delay=delay), lambda step: step))
+    assert_equal(differences(run, weights, ref.two_bw(settings, batches, delay=2, prediction=prediction), lambda step: step))
+    controls = [{"delay": 1, "prediction": prediction}, {"delay": 3, "prediction": prediction}]
+    if prediction:
+        controls += [{"delay": 2, "prediction": prediction / 2}, {"delay": 2}]
+    for control in controls:
+        assert_different(differences(run, weights, ref.two_bw(settings, batches, **control), lambda step: step))
 
 
 def test_resume_refuses_a_change_of_the_delay(tmp_path, capsys):

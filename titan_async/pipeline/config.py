@@ -51,8 +51,9 @@ class DelayTraining(TrainingConfig):
     """N > 0 (Sync Start): train steps 1..N synchronously, then go on with the streaming schedule
     (or `gradient_delay = 1`) as if it started from the weights after step N; 0: off."""
     weight_prediction: float = 0.0
-    """h > 0: PipeDream2BW (or `gradient_delay = 1`) takes each delayed gradient at the weights
-    extrapolated along the last update, W[k-1] + h (W[k-1] - W[k-2]) (`versions.PredictedVersions`);
+    """h > 0: PipeDream2BW (or `gradient_delay`) takes each delayed gradient at the weights
+    extrapolated along the last update by the delay d, W[k-d] + h d (W[k-d] - W[k-d-1])
+    (`versions.PredictedVersions`);
     PACI runs a stage's forwards at W + h d (W - W_prev), d its mean delay in local steps
     (`versions.PredictedAccumulation`); 0: off."""
 
@@ -106,7 +107,7 @@ def check_delay(training: DelayTraining, parallelism: PipelineParallelism, data_
                 error_feedback: bool, moe: bool) -> str | None:
     """Why a delay of several steps (`pipeline_delay` > 1) cannot run with these settings, naming
     the key; None if it can. d + 1 weight versions of plain parameters are kept so far: no FSDP,
-    replicas or TP around them, and no corrector, Sync Start, lagged clipping or experts yet."""
+    replicas or TP around them, and no error feedback, Sync Start, lagged clipping or experts yet."""
     delay = pipeline_delay(training, parallelism, data_parallel, microbatches)
     if delay <= 1:
         return None
@@ -119,7 +120,6 @@ def check_delay(training: DelayTraining, parallelism: PipelineParallelism, data_
     unsupported = {
         f"parallelism data-parallel degree {data_parallel} (FSDP or replicas): set it to 1": data_parallel > 1,
         f"parallelism.tensor_parallel_degree = {parallelism.tensor_parallel_degree}: set it to 1": parallelism.tensor_parallel_degree > 1,
-        f"training.weight_prediction = {training.weight_prediction:g}: set it to 0": bool(training.weight_prediction),
         "optimizer.error_feedback.enabled = true: set it to false": error_feedback,
         f"training.sync_start_steps = {training.sync_start_steps}: set it to 0": bool(training.sync_start_steps),
         "training.clipping = 'lagged_global': set it to 'per_stage'": training.clipping == "lagged_global",

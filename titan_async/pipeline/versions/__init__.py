@@ -47,9 +47,9 @@ def two_versions(module: torch.nn.Module, microbatches: int, stage: FsdpStage | 
     `load_balance.versioned_tensors`): sharded when `stage` (its FSDP units) is given;
     synchronous for the first `sync_start` batches; predicted with horizon `prediction` when
     it is not 0 (without Sync Start: the config refuses it); for a gradient delay of `lag`
-    steps, `lag` + 1 versions (plain parameters, without prediction, so far)."""
+    steps, `lag` + 1 versions (plain parameters so far)."""
     assert not (prediction and sync_start), "weight prediction runs without Sync Start"
-    assert lag == 1 or not (stage or prediction), "a delay of several steps keeps versions of plain parameters only"
+    assert lag == 1 or not stage, "a delay of several steps keeps versions of plain parameters only"
     tensors = [tensor for _, tensor in versioned_tensors(module)]
     if stage:
         params = list(module.parameters())
@@ -57,7 +57,7 @@ def two_versions(module: torch.nn.Module, microbatches: int, stage: FsdpStage | 
             return ShardedPredictedVersions(params, microbatches, stage, prediction, buffers=tensors[len(params):])
         return ShardedTwoVersions(params, microbatches, stage, buffers=tensors[len(params):], sync_start=sync_start)
     if prediction:
-        return PredictedVersions(tensors, microbatches, prediction)
+        return PredictedVersions(tensors, microbatches, prediction, lag)
     return TwoVersions(tensors, microbatches, sync_start, lag)
 
 

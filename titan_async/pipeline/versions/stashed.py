@@ -182,20 +182,21 @@ class TwoVersions(OneStepDelay):
 
 class PredictedVersions(TwoVersions):
     """PipeDream-2BW with weight prediction (`optimizer.weight_prediction`, horizon h): batch t
-    runs forward and backward on P_t = U_t + h (U_t - U_{t-1}), where `TwoVersions` would use
-    U_t: the delayed gradient is taken where the weights are predicted to be when it is applied
-    (h = 1: W[k-1] + (W[k-1] - W[k-2]) for W[k]). U_0 = U_1 = W[0], so P_0 = P_1 = W[0].
+    runs forward and backward on P_t = U_t + h d (U_t - U_{t-1}), where `TwoVersions` would use
+    U_t = W[t - d]: the delayed gradient is taken where the weights are predicted to be when it
+    is applied, d updates later (d = 1, h = 1: W[k-1] + (W[k-1] - W[k-2]) for W[k]). U_t = W[0]
+    for t <= d, so P_0 .. P_d = W[0].
 
-    The two version buffers hold the predictions of the batches in flight; a third, `base`,
-    holds the latest U, which the optimizer steps: once batch b's gradient is complete,
-    U_{b+2} = U_{b+1} - Opt(g_b) in `base`, and P_{b+2} = U_{b+2} + h (U_{b+2} - U_{b+1}) in the
-    buffer batch b used. One weight copy more than `TwoVersions`. Between steps (`expose_latest`)
-    the parameters hold `base`, the latest U, for checkpoints and validation. Before the first
-    update every buffer equals the live weights, so each is copied from them when first needed
-    (weights loaded after construction become all three)."""
+    The d + 1 version buffers hold the predictions of the batches in flight (batch t's in buffer
+    t % (d + 1)); one more, `base`, holds the latest U, which the optimizer steps: once batch b's
+    gradient is complete, U_{b+d+1} = U_{b+d} - Opt(g_b) in `base`, and P_{b+d+1} = U_{b+d+1} +
+    h d (U_{b+d+1} - U_{b+d}) in the buffer batch b used. One weight copy more than
+    `TwoVersions`. Between steps (`expose_latest`) the parameters hold `base`, the latest U, for
+    checkpoints and validation. Before the first update every buffer equals the live weights, so
+    each is copied from them when first needed (weights loaded after construction become all)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], microbatches: int, horizon: float) -> None:
-        super().__init__(params, microbatches)
+    def __init__(self, params: list[torch.nn.Parameter], microbatches: int, horizon: float, lag: int = 1) -> None:
+        super().__init__(params, microbatches, lag=lag)
         self.horizon = horizon
         self.base: list[torch.Tensor] | None = None
 
@@ -211,21 +212,23 @@ class PredictedVersions(TwoVersions):
 
     def activate(self, batch: int) -> None:
         """Make every parameter hold P_batch."""
-        if batch % 2 != self.active:
-            self._point(self._version(batch % 2), batch % 2)
+        if batch % self.slots != self.active:
+            self._point(self._version(batch % self.slots), batch % self.slots)
 
     def apply_update(self, batch: int, optimizer_step: Callable[[], None]) -> None:
-        """U_{batch+2} = U_{batch+1} - Opt(g_batch) in `base`; P_{batch+2} into the buffer batch `batch` used."""
+        """U_{batch+d+1} = U_{batch+d} - Opt(g_batch) in `base`; P_{batch+d+1} into the buffer batch `batch` used."""
         self.updates += 1
-        target, _ = self._version(batch % 2), self._version((batch + 1) % 2)
-        base = self._base()
+        for index in range(self.slots):  # the predictions still pending are the weights before this update
+            self._version(index)
+        target, base = self.buffers[batch % self.slots], self._base()
         for tensor, latest in zip(target, base):
             tensor.copy_(latest)
         self._point(base, -1)
         with preserved_versions(self.params):
             optimizer_step()
+        ahead = self.horizon * self.lag
         for tensor, latest in zip(target, base):
-            tensor.mul_(-self.horizon).add_(latest, alpha=1 + self.horizon)
+            tensor.mul_(-ahead).add_(latest, alpha=1 + ahead)
 
     def expose_latest(self, step: int) -> None:
         """The parameters hold the latest U (before any update, the live weights already do)."""
@@ -233,9 +236,9 @@ class PredictedVersions(TwoVersions):
             self._point(self.base, -1)
 
     def copies(self) -> list[torch.Tensor]:
-        """The two predictions and the latest U, less the buffer the parameters hold."""
+        """The d + 1 predictions and the latest U, less the buffer the parameters hold."""
         live = self.active if self.active >= 0 else None
-        kept = [self._version(i) for i in (0, 1) if i != live] + ([self._base()] if live is not None else [])
+        kept = [self._version(i) for i in range(self.slots) if i != live] + ([self._base()] if live is not None else [])
         return [t for version in kept for t in version]
 
     def extra_bytes(self) -> int:
@@ -243,21 +246,25 @@ class PredictedVersions(TwoVersions):
         tensors = [t for version in [*self.buffers, self.base] if version is not None for t in version]
         return sum(t.untyped_storage().nbytes() for t in tensors if t.untyped_storage().data_ptr() not in live)
 
+    @staticmethod
+    def _key(ahead: int, name: str) -> str:
+        return name if ahead == 0 else f"next.{name}" if ahead == 1 else f"next{ahead}.{name}"
+
     def state_dict(self, names: list[str], step: int) -> dict[str, torch.Tensor]:
-        """After `step` steps (drained) the parameters hold U_{step+1}; these are P_step, under the
-        parameters' names, and P_{step+1}, under "next.<name>" (copies where a buffer is live)."""
+        """After `step` steps (drained) the parameters hold U_{step+d}; these are P_step .. P_{step+d},
+        under the parameters' names, "next.<name>", then "next<i>.<name>" (copies where a buffer is live)."""
         live = {p.data.untyped_storage().data_ptr() for p in self.params}
         state = {}
-        for prefix, index in (("", step % 2), ("next.", (step + 1) % 2)):
-            for name, tensor in zip(names, self._version(index)):
-                state[prefix + name] = tensor.clone() if tensor.untyped_storage().data_ptr() in live else tensor
+        for ahead in range(self.slots):
+            for name, tensor in zip(names, self._version((step + ahead) % self.slots)):
+                state[self._key(ahead, name)] = tensor.clone() if tensor.untyped_storage().data_ptr() in live else tensor
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor], names: list[str], step: int) -> None:
-        """Restore both predictions after a checkpoint at `step` loaded U_{step+1} into the parameters."""
+        """Restore every prediction after a checkpoint at `step` loaded U_{step+d} into the parameters."""
         self.backwards.clear()
         self.updates = step
         self.base = [p.data for p in self.params]
-        self.buffers[step % 2] = [state[name].clone() for name in names]
-        self.buffers[(step + 1) % 2] = [state[f"next.{name}"].clone() for name in names]
+        for ahead in range(self.slots):
+            self.buffers[(step + ahead) % self.slots] = [state[self._key(ahead, name)].clone() for name in names]
         self.active = -1
