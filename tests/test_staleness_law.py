@@ -227,3 +227,26 @@ def test_plan_staleness_json_carries_the_shipped_laws_prediction(capsys):
     status, _, err = cli_in_process(capsys, "plan", "--config", str(CONFIGS / "10b_2bw_muon.toml"), "--staleness",
                                     "--simulate", "--gpu-counts", "64")
     assert status == 2 and err.startswith("titan-async: --staleness: applies only without --gpu-counts")
+
+
+def test_the_longer_delays_train_last_and_their_table_reads_each_delays_gap(monkeypatch):
+    """The d = 2 and 4 arms of the longer-delay cell come after every other run; the section
+    gives each delay's mean gap over the seeds and its efficiency on the cell's own slope."""
+    cell = _cell("m", 64, 16)
+    monkeypatch.setattr(scaling, "CELLS", {"m": cell})
+    monkeypatch.setattr(scaling, "SEEDS_OF_CELL", {"m": (0, 1)})
+    monkeypatch.setattr(scaling, "LONGER_DELAYS", ("m", (2, 4), (0, 1)))
+    record = _synthetic_record([cell], LAW, slope=0.3, seeds=(0, 1))
+    assert scaling._longer_delays_section(record) is None
+    queued = [r.name for r in scaling.pending([cell], record)]
+    assert queued[:4] == ["adamw-delay2", "muon-delay2", "adamw-delay2-predict", "muon-delay2-predict"]
+    assert len(queued) == 16 and queued[-1] == "muon-delay4-predict-seed1"
+    full = cell.settings(1, 1)
+    sync = 5 - 0.3 * math.log(full.steps * full.seq_len * full.batch)
+    for run in scaling.longer_delay_runs(cell, {"adamw": 6e-3, "muon": 1e-2}):
+        gap = 0.01 * run.arm.seed + 0.03 * run.arm.delay  # seed 1's synchronous run is 0.01 higher
+        record[run.key] = scaling.entry_of(run, run.settings({}), [(full.steps, sync + gap)], 1.0, "synthetic")
+    table = scaling._longer_delays_section(record)
+    assert "| muon | none | 4 | +0.1200, +0.1200 | +0.4000 | 0.670 | 1.492x |" in table
+    assert "| adamw | predict | 2 | +0.0600, +0.0600 |" in table
+    assert not list(scaling.pending([cell], record))

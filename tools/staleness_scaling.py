@@ -52,6 +52,10 @@ VALIDATION_SEQUENCES = 512
 every cell validates on the same tokens."""
 DELAYED = (Arm("adamw", 1, False), Arm("muon", 1, False), Arm("adamw", 1, True), Arm("muon", 1, True),
            Arm("adamw", 1, False, corrector="predict"), Arm("muon", 1, False, corrector="predict"))
+LONGER_DELAYS = ("b16", (2, 4), (0, 1))
+"""(cell, delays, seeds) of the longer-delay arms: PipeDream2BW with fewer microbatches than stages
+delays by d = ceil((p - 1) / m) steps (`training.gradient_delay = d`), plain and with weight
+prediction (horizon d; error feedback does not run at d > 1 yet), after every other run."""
 
 
 @dataclass(frozen=True)
@@ -220,16 +224,27 @@ def cell_runs(cell: Cell, best: dict[str, float], extra_seeds: bool) -> list[Run
         Run(cell, arm, best[arm.optimizer]) for arm in DELAYED[2:]]
 
 
+def longer_delay_runs(cell: Cell, best: dict[str, float]) -> list[Run]:
+    """`LONGER_DELAYS`' runs of `cell` (none for the other cells), seed by seed."""
+    name, delays, seeds = LONGER_DELAYS
+    if cell.name != name:
+        return []
+    return [Run(cell, Arm(o, d, False, seed, corrector), best[o])
+            for seed in seeds for d in delays for corrector in ("", "predict") for o in ("adamw", "muon")]
+
+
 def pending(cells: list[Cell], record: dict[str, dict]) -> Iterator[Run]:
     """The runs to train: cell by cell, a cell's sweep, then its seed-0 arms once the sweep has
-    chosen its lrs (meanwhile the next cell's); then every cell's extra seeds."""
-    for extra_seeds in (False, True):
+    chosen its lrs (meanwhile the next cell's); then every cell's extra seeds; then the longer
+    delays."""
+    for stage in ("seed 0", "extra seeds", "longer delays"):
         for cell in cells:
             todo, best = sweep_runs(cell, record)
             if best is None:
-                yield from () if extra_seeds else todo
+                yield from todo if stage == "seed 0" else ()
                 continue
-            yield from (r for r in cell_runs(cell, best, extra_seeds) if r.key not in record)
+            runs = longer_delay_runs(cell, best) if stage == "longer delays" else cell_runs(cell, best, stage == "extra seeds")
+            yield from (r for r in runs if r.key not in record)
 
 
 def train(run: Run, best: dict[str, float], parallel: int) -> dict:
@@ -510,6 +525,36 @@ def _points_table(points: list[Point]) -> str:
     return "\n".join(lines)
 
 
+def _longer_delays_section(record: dict[str, dict]) -> str | None:
+    """Gap and token efficiency per delay d (1 and `LONGER_DELAYS`') in the longer-delay cell,
+    per optimizer and corrector, seeds averaged; None before any longer-delay run finished."""
+    name, delays, seeds = LONGER_DELAYS
+    cell = CELLS[name]
+    best = best_of(cell, record)
+    if not best or not any(f"{name}/{r.name}" in record for r in longer_delay_runs(cell, best)):
+        return None
+    lines = ["| optimizer | corrector | d | gap per seed | ln(1/eta) | token efficiency eta | tokens to the sync loss |",
+             "|---|---|---:|---|---:|---:|---:|"]
+    for optimizer in ("adamw", "muon"):
+        fitted = budget_slope(record, cell, optimizer, best)
+        for corrector in ("", "predict"):
+            for delay in (1, *delays):
+                gaps = []
+                for seed in seeds:
+                    delayed = final(record, cell, Arm(optimizer, delay, False, seed, corrector).name)
+                    synchronous = sync_final(record, cell, optimizer, seed, best)
+                    if delayed is not None and synchronous is not None:
+                        gaps.append(delayed - synchronous)
+                if not gaps:
+                    continue
+                gap = sum(gaps) / len(gaps)
+                efficiency = "" if fitted is None else f"{math.exp(-gap / fitted[0]):.3f}"
+                tokens = "" if fitted is None else f"{math.exp(gap / fitted[0]):.3f}x"
+                lines.append(f"| {optimizer} | {corrector or 'none'} | {delay} | {', '.join(f'{g:+.4f}' for g in gaps)} | "
+                             f"{'' if fitted is None else f'{gap / fitted[0]:+.4f}'} | {efficiency} | {tokens} |")
+    return "\n".join(lines)
+
+
 def _fit_section(fit: Fit) -> str:
     law = fit.law
     lines = ["    ln(1/eta) = c[optimizer+corrector] x (steps/1000)^-a x (parameters/1e6)^-b", "",
@@ -628,6 +673,13 @@ def write_report(record: dict[str, dict], out: Path = OUT) -> Fit | None:
                   "The paper reports gaps; each becomes a token efficiency on Chinchilla's slope at its tokens "
                   "(`titan_async.cluster.staleness.chinchilla_slope`), and the law's predictions become gaps the same way.", "",
                   _out_of_sample_section(fit.law), ""]
+    longer = _longer_delays_section(record)
+    if longer:
+        parts += ["## Longer delays", "",
+                  f"PipeDream2BW with fewer microbatches than stages delays each gradient by d = ceil((p - 1) / m) steps. "
+                  f"The {LONGER_DELAYS[0]} cell trained `training.gradient_delay = d` (the same rule on one process), plain and "
+                  "with weight prediction (horizon h d, h = 1), at the cell's lrs; ln(1/eta) on the cell's synchronous slope. "
+                  "marin's published Muon figures for comparison: delay 2 +0.14, +0.066 with prediction.", "", longer, ""]
     parts += ["## How it was run", "", "    .venv/bin/python tools/staleness_scaling.py --parallel 2", "",
               "- each run: `titan-async train --config debug_cpu` with the cell's settings (`Cell.settings` and "
               "`staleness_study.Settings.overrides`); its resolved config is configs/CELL/RUN.toml (the b16 cell's "
