@@ -152,7 +152,8 @@ def at_layout(run: RunConfig, sequences: int, gpus: int, candidate: Candidate) -
     scaled = replace(run, training=training, parallelism=parallelism)
     if not settings(scaled):
         return (f"{local} sequences per data rank make fewer microbatches than {c.pp} stages "
-                f"at every microbatch size ({', '.join(map(str, sorted({*MICROBATCH_SIZES, p.pipeline_parallel_microbatch_size})))})")
+                f"at every microbatch size ({', '.join(map(str, sorted({*MICROBATCH_SIZES, p.pipeline_parallel_microbatch_size})))}): "
+                "torch's schedules refuse that, and a streaming delay of more than one step runs without FSDP so far")
     return scaled
 
 
