@@ -46,7 +46,8 @@ The rules, written out:
   current at the backward: here each parameter-holding module of the stage is re-run at
   backward time as op(x, W_now) + (op(x, W_forward) - op(x, W_now)).detach(), so its value is
   the forward's and its local derivatives are taken at W_now, with x the forward-time input.
-  `late=1` (the control) steps one backward late.
+  `late=1` (the control) steps one backward late. `paci` covers 2 stages with every feature;
+  `paci_stages` any number of stages (stage s holding p-1-s in flight), dense and plain.
 """
 
 from __future__ import annotations
@@ -878,4 +879,101 @@ def paci(settings: Settings, batches: list[list[Microbatch]], drains: set[int], 
         if t + 1 in drains:
             while in_flight:
                 stage0_backward()
+    return Result(losses, weights(model), [o.norms for o in optimizers])
+
+
+@one_thread
+def paci_stages(settings: Settings, batches: list[list[Microbatch]], drains: set[int], late: int = 0,
+                backward_weights: str = "current") -> Result:
+    """PACI on any number of stages (dense, no Sync Start, prediction or lagged clipping): stage s
+    keeps p-1-s microbatches in flight (its forward of microbatch k + p-1-s, then its backward of
+    k, the stream drained after the steps in `drains`) and steps after every `a` of its
+    backwards, update u at the lr of scheduler step floor((u - 1) a / m). A backward combines the
+    activations its forward saved with the weights current then: the stage is re-run from its
+    forward-time input under `ForwardTimeValues` (the forward's weights as the value, the current
+    ones for the derivatives). With m or a below p - 1 a microbatch crosses several local steps of
+    its stage. Stages run in any order their messages allow (each stage's weights change only by
+    its own steps). Controls as in `paci`: `late`, `backward_weights="forward"`."""
+    a, m = settings.accumulation or settings.microbatches, settings.microbatches
+    model = build_model(settings)
+    p = len(settings.stages)
+    stages = [Stage(model, modules) for modules in settings.stages]
+    optimizers = [StageOptimizer(named, settings, settings.dim // settings.n_heads) for named in stage_params(model, settings.stages)]
+    names = [[name for name, _ in named] for named in stage_params(model, settings.stages)]
+    live = dict(model.named_parameters())
+    mixed = ForwardTimeValues(model)
+    counts, updates = [0] * p, [0] * p
+    activations: dict[tuple[int, int], torch.Tensor] = {}  # (stage, microbatch) -> its input from the stage before
+    gradients: dict[tuple[int, int], torch.Tensor] = {}  # (stage, microbatch) -> the gradient at its output
+    in_flight: dict[tuple[int, int], tuple] = {}  # (stage, microbatch) -> (input, weights at the forward)
+    losses: dict[int, float] = {}
+    order = [[] for _ in range(p)]  # each stage's actions: ("F" | "B", global microbatch), with drains
+    for s in range(p):
+        held = []
+        for t in range(len(batches)):
+            for k in range(t * m, t * m + m):
+                order[s].append(("F", k))
+                held.append(k)
+                if len(held) > p - 1 - s:
+                    order[s].append(("B", held.pop(0)))
+            if t + 1 in drains:
+                order[s] += [("B", k) for k in held]
+                held.clear()
+    microbatch = {t * m + j: (t, mb) for t, batch in enumerate(batches) for j, mb in enumerate(batch)}
+
+    def forward(s: int, k: int) -> None:
+        t, mb = microbatch[k]
+        x = mb.tokens if s == 0 else activations.pop((s, k))
+        in_flight[(s, k)] = (x, {name: live[name].detach().clone() for name in names[s]})
+        if s < p - 1:
+            with torch.no_grad():
+                activations[(s + 1, k)] = stages[s](x, mb.positions)
+
+    def backward(s: int, k: int) -> None:
+        t, mb = microbatch[k]
+        x, then = in_flight.pop((s, k))
+        x = x if s == 0 else x.detach().requires_grad_(True)
+        same = all(torch.equal(then[name], live[name]) for name in names[s])
+        if backward_weights == "forward" and not same:  # the control: a stash, the forward's weights throughout
+            now = {name: live[name].detach().clone() for name in names[s]}
+            with torch.no_grad():
+                for name in names[s]:
+                    live[name].copy_(then[name])
+        mixed.snapshot = None if same or backward_weights == "forward" else then
+        try:
+            out = stages[s](x, mb.positions)
+        finally:
+            mixed.snapshot = None
+        if s == p - 1:
+            loss = summed_loss(out, mb.labels) / valid_tokens(batches[t])
+            loss.backward()
+            losses[t + 1] = losses.get(t + 1, 0.0) + loss.item()
+        else:
+            out.backward(gradients.pop((s, k)))
+        if backward_weights == "forward" and not same:
+            with torch.no_grad():
+                for name in names[s]:
+                    live[name].copy_(now[name])
+        if s > 0:
+            gradients[(s - 1, k)] = x.grad
+        counts[s] += 1
+        if counts[s] >= a + late and (counts[s] - late) % a == 0:
+            optimizers[s].step(updates[s] * a // m)
+            updates[s] += 1
+
+    position = [0] * p
+    while any(position[s] < len(order[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            while position[s] < len(order[s]):
+                kind, k = order[s][position[s]]
+                if kind == "F" and (s == 0 or (s, k) in activations):
+                    forward(s, k)
+                elif kind == "B" and (s == p - 1 or (s, k) in gradients):
+                    backward(s, k)
+                else:
+                    break
+                position[s] += 1
+                progressed = True
+        assert progressed, "reference stalled"
     return Result(losses, weights(model), [o.norms for o in optimizers])

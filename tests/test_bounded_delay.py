@@ -145,6 +145,17 @@ def test_a_delay_of_several_steps_refuses_what_it_does_not_run_yet(capsys, tmp_p
 FOUR_STAGES = 'parallelism.module_fqns_per_model_part=[["tok_embeddings", "layers.0"], ["layers.1"], ["layers.2"], ["layers.3", "norm", "lm_head"]]'
 
 
+def four_stages_resumed_at_step_4(tmp_path, schedule: str, microbatches: int):
+    """PP 4 on 4 processes, `microbatches` of 1 sequence per step, stopped at the step-4 checkpoint
+    (its communication log passes the NCCL model) and resumed to STEPS."""
+    run = pipelined(tmp_path / "run", f"parallelism.pipeline_parallel_schedule={schedule}", "parallelism.pipeline_parallel_degree=4",
+                    FOUR_STAGES, f"training.local_batch_size={microbatches}", "checkpoint.interval=4",
+                    f"lr_scheduler.total_steps={STEPS}", "training.steps=4", nproc=4)
+    nccl_model.assert_nccl_safe(run / "comm", 4, bounded=False)
+    run_cli("resume", "--run-dir", str(run), *sets(f"training.steps={STEPS}"), env={"TITAN_ASYNC_BATCH_LOG": str(run / "batches")})
+    return run
+
+
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_2bw_on_four_stages_with_fewer_microbatches_equals_the_independent_reference_across_a_resume(tmp_path, microbatches):
     """PP 4 on 4 processes with m = 1 (d = 3) and m = 2 (d = 2) microbatches per step, stopped at
@@ -153,11 +164,7 @@ def test_2bw_on_four_stages_with_fewer_microbatches_equals_the_independent_refer
     d + 1, and the update written into the stale version. The run's communication log passes
     the NCCL model and the device replay."""
     delay = gradient_delay(4, microbatches)
-    common = ("parallelism.pipeline_parallel_schedule=PipeDream2BW", "parallelism.pipeline_parallel_degree=4", FOUR_STAGES,
-              f"training.local_batch_size={microbatches}", "checkpoint.interval=4", f"lr_scheduler.total_steps={STEPS}")
-    run = pipelined(tmp_path / "run", *common, "training.steps=4", nproc=4)
-    nccl_model.assert_nccl_safe(run / "comm", 4, bounded=False)
-    run_cli("resume", "--run-dir", str(run), *sets(f"training.steps={STEPS}"), env={"TITAN_ASYNC_BATCH_LOG": str(run / "batches")})
+    run = four_stages_resumed_at_step_4(tmp_path, "PipeDream2BW", microbatches)
     settings, batches, weights = reference_inputs(run)
     assert len(settings.stages) == 4 and settings.microbatches == microbatches
     update_of_step = lambda step: step
@@ -167,7 +174,8 @@ def test_2bw_on_four_stages_with_fewer_microbatches_equals_the_independent_refer
     assert {row[f"staleness_max/stage{s}"] for row in metrics(run).values() for s in range(4)} <= {0.0, float(delay)}
     # Uninterrupted long enough to fill the pipeline after the start (d windows) and run steady:
     # no stage waits on another's collective, and each idles as simulated (not at all).
-    steady = pipelined(tmp_path / "steady", *common[:4], "training.steps=10", "checkpoint.enable=false", nproc=4)
+    steady = pipelined(tmp_path / "steady", "parallelism.pipeline_parallel_schedule=PipeDream2BW", "parallelism.pipeline_parallel_degree=4",
+                       FOUR_STAGES, f"training.local_batch_size={microbatches}", "training.steps=10", "checkpoint.enable=false", nproc=4)
     nccl_model.assert_nccl_safe(steady / "comm", 4)
     device_replay.assert_flows_as_simulated(steady / "comm", "PipeDream2BW", 4, microbatches=microbatches)
 
@@ -203,6 +211,22 @@ def test_resume_refuses_a_change_of_the_delay(tmp_path, capsys):
     code, _, err = cli_in_process(capsys, "resume", "--run-dir", str(run), *sets("training.local_batch_size=1", "training.steps=3"))
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "a delay of 2 steps (3 weight versions)" in err and "a delay of 3 steps (4 weight versions)" in err
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_paci_on_four_stages_with_fewer_microbatches_equals_the_independent_reference_across_a_resume(tmp_path, microbatches):
+    """PACI at p = 4 stepping every a = m backwards, m = 1 and 2: a microbatch of stage 0 crosses
+    up to ceil(3 / a) of its stage's local steps (3 and 2) between forward and backward, against
+    `ref.paci_stages` across a resume at step 4. Controls: a step one backward late, and the
+    backward at the forward's weights (a stash)."""
+    run = four_stages_resumed_at_step_4(tmp_path, "PACI", microbatches)
+    settings, batches, weights = reference_inputs(run)
+    drains = ref.drain_steps(run)
+    assert drains == {4, STEPS} and settings.microbatches == microbatches
+    update_of_step = lambda step: step  # a = m: one local step per batch
+    assert_equal(differences(run, weights, ref.paci_stages(settings, batches, drains), update_of_step))
+    assert_different(differences(run, weights, ref.paci_stages(settings, batches, drains, late=1), update_of_step))
+    assert_different(differences(run, weights, ref.paci_stages(settings, batches, drains, backward_weights="forward"), update_of_step))
 
 
 def test_paci_on_four_stages_with_one_microbatch_flows_as_simulated(tmp_path):
