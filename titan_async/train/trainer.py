@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections import deque
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
