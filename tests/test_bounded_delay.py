@@ -8,13 +8,15 @@ d versions instead of d + 1 (the newest overwrites one a batch in flight still u
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import device_replay
 import independent_reference as ref
 import nccl_model
-from conftest import TINY, cli_in_process, metrics, run_cli, sets
+from conftest import CONFIGS, TINY, cli_in_process, metrics, run_cli, sets
 from test_independent_reference import STEPS, assert_different, assert_equal, differences, pipelined, reference_inputs
 from titan_async.pipeline.actions import drain_actions, gradient_delay, window_actions
 from titan_async.pipeline.versions import TwoVersions
@@ -239,3 +241,19 @@ def test_paci_on_four_stages_with_one_microbatch_flows_as_simulated(tmp_path):
     assert [rows[10][f"staleness_max/stage{s}"] for s in range(4)] == [3.0, 2.0, 1.0, 0.0]
     nccl_model.assert_nccl_safe(run / "comm", 4)
     device_replay.assert_flows_as_simulated(run / "comm", "PACI", 4, microbatches=1, accumulation=1)
+
+
+def test_plan_notes_what_train_refuses_and_the_delay_with_fewer_microbatches_than_stages(capsys):
+    """One microbatch per step on 4 stages: torch's 1F1B refuses it, PipeDream2BW runs at d = 3."""
+    code, out, err = cli_in_process(capsys, "plan", "--config", str(CONFIGS / "debug_cpu_pp2.toml"), "--gpus-per-node", "4",
+                                    "--json", *sets("parallelism.pipeline_parallel_degree=4", "training.local_batch_size=1",
+                                                    "parallelism.pipeline_parallel_schedule=PipeDream2BW",
+                                                    "parallelism.pipeline_parallel_microbatch_size=1"))
+    assert code == 0, err
+    plan = json.loads(out)
+    notes = {row["name"]: row["note"] for row in plan["schedules"]}
+    assert notes["1F1B"].startswith("train refuses it") and notes["GPipe"] == ""
+    assert notes["PipeDream2BW"] == "gradient delay 3 steps" and plan["layout"]["gradient_delay"] == 3
+    ranks = plan["ranks"]
+    weights = [rank["memory"]["weights"] for rank in ranks]
+    assert [rank["memory"]["weight_versions"] for rank in ranks] == pytest.approx([3 * w for w in weights])

@@ -72,7 +72,9 @@ import torch
 
 from titan_async.optim.full_matrix import assign_owners
 from titan_async.optim.newton_schulz import flops, gram_form
+from titan_async.pipeline.actions import gradient_delay
 from titan_async.pipeline.in_flight import rank_chunks
+from titan_async.pipeline.split import check_microbatches
 
 STATE_COMPONENTS = ("weights", "expert_weights", "weight_versions", "gradients", "optimizer", "error_feedback")
 TRANSPORT_COMPONENTS = ("p2p_buffers", "stage_inputs", "nccl_buffers")
@@ -636,15 +638,28 @@ def window_microbatches(schedule: str, microbatches: int, accumulation_steps: in
     return microbatches * accumulation_steps // windows_per_step(schedule, accumulation_steps)
 
 
-def compare_schedules(stages: int, microbatches: int, accumulation_steps: int = 1) -> list[dict[str, float | str]]:
-    """Bubble (of each flush or window, `window_microbatches`) and throughput relative to 1F1B,
-    (1 - bubble) / (1 - bubble_1F1B), per schedule."""
+def compare_schedules(stages: int, microbatches: int, accumulation_steps: int = 1, ranks: int = 0) -> list[dict[str, float | str]]:
+    """Bubble (of each flush or window, `window_microbatches`) and throughput relative to 1F1B's
+    formula, (1 - bubble) / (1 - bubble_1F1B), per schedule, with a note where `train` would
+    refuse it on `ranks` pipeline ranks (torch's conditions, `split.check_microbatches`; default:
+    one stage per rank) or where PipeDream2BW's gradients are delayed by more than one step
+    (fewer microbatches than stages: d = ceil((p - 1) / m), whose staleness cost the bubble
+    leaves out)."""
     baseline = 1 - bubble("1F1B", stages, microbatches)
     rows = []
     for name in COMPARED_SCHEDULES:
         mb = window_microbatches(name, microbatches, accumulation_steps)
+        note = ""
+        if name.lower() in STREAMING_SCHEDULES:
+            delay = gradient_delay(stages, mb) if name == "PipeDream2BW" else 1
+            note = f"gradient delay {delay} steps" if delay > 1 else ""
+        else:
+            try:
+                check_microbatches(name, mb, stages, ranks or stages)
+            except ValueError:
+                note = f"train refuses it: {mb} microbatches per flush for {stages} stages"
         rows.append({"name": name, "window": mb, "bubble": bubble(name, stages, mb),
-                     "relative_throughput": (1 - bubble(name, stages, mb)) / baseline})
+                     "relative_throughput": (1 - bubble(name, stages, mb)) / baseline, "note": note})
     return rows
 
 

@@ -70,7 +70,7 @@ def make_plan(run: RunConfig, cluster: Cluster, gpu: bool = True, simulation: Si
     tokens_per_step = t.local_batch_size * t.seq_len * run.data_parallel_degree(cluster.world_size) * layout.accumulation_steps
     simulated = simulation and simulate_plan(run, layout, model.module, shapes, setup, cluster, simulation, tokens_per_step,
                                              simulated_memory(run, cluster, planned, gpu))
-    schedules = compare_schedules(layout.pipeline_stages(), layout.microbatches, layout.accumulation_steps)
+    schedules = compare_schedules(layout.pipeline_stages(), layout.microbatches, layout.accumulation_steps, layout.pp)
     for entry in schedules:
         entry["selected"] = entry["name"].lower() == layout.schedule.lower() and layout.pipeline_stages() > 1
     return {

@@ -102,7 +102,7 @@ def _schedule_table(plan: dict[str, Any]) -> Table:
         "Interleaved1F1B with v = 2 chunks per rank)",
         ["schedule", "microbatches per flush or window", "bubble", "throughput vs 1F1B", ""],
         [[s["name"], str(s["window"]), f"{s['bubble']:.1%}", f"{s['relative_throughput']:.2f}x",
-          "<- this config" if s["selected"] else ""] for s in plan["schedules"]],
+          "; ".join(filter(None, ["<- this config" if s["selected"] else "", s["note"]]))] for s in plan["schedules"]],
     )
 
 
