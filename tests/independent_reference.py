@@ -426,15 +426,15 @@ class StageOptimizer:
     own, then AdamW (every parameter, or with Muon the embedding, head, MoE routers' gates and
     non-matrices) and Muon (the blocks' hidden matrices, and each matrix of an MoE block's
     stacked experts on its own), each at its peak lr times the factor of scheduler step
-    `lr_step`, and error feedback when configured: w -= u_t + c (u_t - u_{t-1}) from the second
-    update on, u_t the optimizer's own update. `whole_qkv` (a control) orthogonalises the fused
+    `lr_step`, and error feedback when configured: w -= u_t + c d (u_t - u_{t-1}) from the second
+    update on, u_t the optimizer's own update, d = `ef_delay` (the gradients' delay in steps). `whole_qkv` (a control) orthogonalises the fused
     wqkv as one matrix instead of its Q, K and V blocks."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], settings: Settings, head_dim: int = 0,
-                 error_feedback: bool = True, whole_qkv: bool = False) -> None:
+                 error_feedback: bool = True, whole_qkv: bool = False, ef_delay: int = 1) -> None:
         self.settings, self.head_dim, self.whole_qkv = settings, head_dim, whole_qkv
         self.params = [p for _, p in named]
-        self.ef = settings.error_feedback if error_feedback else None
+        self.ef = settings.error_feedback * ef_delay if error_feedback and settings.error_feedback is not None else None
         muon = settings.optimizer == "muon"
         self.matrices = [(n, p) for n, p in named if muon and n.startswith("layers.") and (
             (p.ndim == 2 and ".router." not in n) or (p.ndim == 3 and ".inner_experts." in n))]
@@ -601,7 +601,7 @@ def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "
     """W[k+1] = W[k] - Opt(grad f_k(W[k-1])), W[-1] = W[0]; each stage clips its own gradient.
     A `delay` of d > 1 steps (without Sync Start): W[k+1] = W[k] - Opt(grad f_k(W[k-d])),
     W[j] = W[0] for j < 0; "stale" then writes the update into W[k-d]; prediction takes it at
-    W[k-d] + h d (W[k-d] - W[k-d-1]).
+    W[k-d] + h d (W[k-d] - W[k-d-1]); error feedback's correction is c d (u_t - u_{t-1}).
     With experts the biases are part of W and move by the load-balancing rule from the counts of
     batch k routed at W[k-1] (the microbatches whose gradient the update applies).
     Controls: "stale" applies the update to W[k-1]; "no_delay" takes the gradient at W[k];
@@ -620,6 +620,7 @@ def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "
     Weight prediction (horizon h = `prediction` > 0): the gradient is taken at
     W[k-1] + h (W[k-1] - W[k-2]) instead of W[k-1], with W[-2] = W[-1] = W[0]."""
     assert delay == 1 or not sync_start
+    optimizer_options.setdefault("ef_delay", delay)
     model = build_model(settings)  # holds W[k]
     previous = copy.deepcopy(model)  # holds W[k-1] (W[k-d])
     past = []  # W[0..k]

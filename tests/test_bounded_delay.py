@@ -131,7 +131,6 @@ def test_a_delay_of_several_steps_keeps_that_many_versions_more():
 
 @pytest.mark.parametrize("assignment, message", [
     ("model.family=qwen3_moe", "model.family = 'qwen3_moe'"),
-    ("optimizer.error_feedback.enabled=true", "optimizer.error_feedback.enabled = true"),
     ("training.sync_start_steps=2", "training.sync_start_steps = 2"),
     ("training.clipping=lagged_global", "training.clipping = 'lagged_global'"),
 ])
@@ -180,6 +179,20 @@ def test_2bw_on_four_stages_with_fewer_microbatches_equals_the_independent_refer
                        FOUR_STAGES, f"training.local_batch_size={microbatches}", "training.steps=10", "checkpoint.enable=false", nproc=4)
     nccl_model.assert_nccl_safe(steady / "comm", 4)
     device_replay.assert_flows_as_simulated(steady / "comm", "PipeDream2BW", 4, microbatches=microbatches)
+
+
+def test_error_feedback_at_a_delay_of_two_steps_equals_the_independent_reference(tmp_path):
+    """Muon + EF (c = 1) at `training.gradient_delay = 2`: the correction c d (u_t - u_{t-1})
+    extrapolates the updates by the two steps the gradient is late; control: the one-step
+    correction (d = 1) at the same delay, and no EF."""
+    run = pipelined(tmp_path / "run", "training.gradient_delay=2", "parallelism.data_parallel_shard_degree=1",
+                    "optimizer.name=muon", "optimizer.lr=0.02", "optimizer.error_feedback.enabled=true",
+                    config="debug_cpu.toml", nproc=1)
+    settings, batches, weights = reference_inputs(run)
+    assert settings.optimizer == "muon" and settings.error_feedback == 1.0
+    assert_equal(differences(run, weights, ref.two_bw(settings, batches, delay=2), lambda step: step))
+    for control in ({"ef_delay": 1}, {"error_feedback": False}):
+        assert_different(differences(run, weights, ref.two_bw(settings, batches, delay=2, **control), lambda step: step))
 
 
 @pytest.mark.parametrize("prediction", [0.0, 1.0])

@@ -239,8 +239,9 @@ def test_the_longer_delays_train_last_and_their_table_reads_each_delays_gap(monk
     record = _synthetic_record([cell], LAW, slope=0.3, seeds=(0, 1))
     assert scaling._longer_delays_section(record) is None
     queued = [r.name for r in scaling.pending([cell], record)]
-    assert queued[:4] == ["adamw-delay2", "muon-delay2", "adamw-delay2-predict", "muon-delay2-predict"]
-    assert len(queued) == 16 and queued[-1] == "muon-delay4-predict-seed1"
+    assert queued[:6] == ["adamw-delay2", "muon-delay2", "adamw-delay2-ef", "muon-delay2-ef", "adamw-delay2-predict",
+                          "muon-delay2-predict"]
+    assert len(queued) == 24 and queued[-1] == "muon-delay4-predict-seed1"
     full = cell.settings(1, 1)
     sync = 5 - 0.3 * math.log(full.steps * full.seq_len * full.batch)
     for run in scaling.longer_delay_runs(cell, {"adamw": 6e-3, "muon": 1e-2}):

@@ -54,8 +54,8 @@ DELAYED = (Arm("adamw", 1, False), Arm("muon", 1, False), Arm("adamw", 1, True),
            Arm("adamw", 1, False, corrector="predict"), Arm("muon", 1, False, corrector="predict"))
 LONGER_DELAYS = ("b16", (2, 4), (0, 1))
 """(cell, delays, seeds) of the longer-delay arms: PipeDream2BW with fewer microbatches than stages
-delays by d = ceil((p - 1) / m) steps (`training.gradient_delay = d`), plain and with weight
-prediction (horizon d; error feedback does not run at d > 1 yet), after every other run."""
+delays by d = ceil((p - 1) / m) steps (`training.gradient_delay = d`), plain, with error feedback
+and with weight prediction (both extrapolating by d), after every other run."""
 
 
 @dataclass(frozen=True)
@@ -229,8 +229,9 @@ def longer_delay_runs(cell: Cell, best: dict[str, float]) -> list[Run]:
     name, delays, seeds = LONGER_DELAYS
     if cell.name != name:
         return []
-    return [Run(cell, Arm(o, d, False, seed, corrector), best[o])
-            for seed in seeds for d in delays for corrector in ("", "predict") for o in ("adamw", "muon")]
+    return [Run(cell, Arm(o, d, ef, seed, corrector), best[o])
+            for seed in seeds for d in delays for ef, corrector in ((False, ""), (True, ""), (False, "predict"))
+            for o in ("adamw", "muon")]
 
 
 def pending(cells: list[Cell], record: dict[str, dict]) -> Iterator[Run]:
@@ -537,11 +538,12 @@ def _longer_delays_section(record: dict[str, dict]) -> str | None:
              "|---|---|---:|---|---:|---:|---:|"]
     for optimizer in ("adamw", "muon"):
         fitted = budget_slope(record, cell, optimizer, best)
-        for corrector in ("", "predict"):
+        for corrector in ("none", "ef", "predict"):
             for delay in (1, *delays):
                 gaps = []
                 for seed in seeds:
-                    delayed = final(record, cell, Arm(optimizer, delay, False, seed, corrector).name)
+                    arm = Arm(optimizer, delay, corrector == "ef", seed, "predict" if corrector == "predict" else "")
+                    delayed = final(record, cell, arm.name)
                     synchronous = sync_final(record, cell, optimizer, seed, best)
                     if delayed is not None and synchronous is not None:
                         gaps.append(delayed - synchronous)
@@ -550,7 +552,7 @@ def _longer_delays_section(record: dict[str, dict]) -> str | None:
                 gap = sum(gaps) / len(gaps)
                 efficiency = "" if fitted is None else f"{math.exp(-gap / fitted[0]):.3f}"
                 tokens = "" if fitted is None else f"{math.exp(gap / fitted[0]):.3f}x"
-                lines.append(f"| {optimizer} | {corrector or 'none'} | {delay} | {', '.join(f'{g:+.4f}' for g in gaps)} | "
+                lines.append(f"| {optimizer} | {corrector} | {delay} | {', '.join(f'{g:+.4f}' for g in gaps)} | "
                              f"{'' if fitted is None else f'{gap / fitted[0]:+.4f}'} | {efficiency} | {tokens} |")
     return "\n".join(lines)
 
@@ -677,8 +679,9 @@ def write_report(record: dict[str, dict], out: Path = OUT) -> Fit | None:
     if longer:
         parts += ["## Longer delays", "",
                   f"PipeDream2BW with fewer microbatches than stages delays each gradient by d = ceil((p - 1) / m) steps. "
-                  f"The {LONGER_DELAYS[0]} cell trained `training.gradient_delay = d` (the same rule on one process), plain and "
-                  "with weight prediction (horizon h d, h = 1), at the cell's lrs; ln(1/eta) on the cell's synchronous slope. "
+                  f"The {LONGER_DELAYS[0]} cell trained `training.gradient_delay = d` (the same rule on one process), plain, "
+                  "with error feedback (correction c d (u_t - u_{t-1}), c = 1) and with weight prediction (horizon h d, h = 1), "
+                  "at the cell's lrs; ln(1/eta) on the cell's synchronous slope. "
                   "marin's published Muon figures for comparison: delay 2 +0.14, +0.066 with prediction.", "", longer, ""]
     parts += ["## How it was run", "", "    .venv/bin/python tools/staleness_scaling.py --parallel 2", "",
               "- each run: `titan-async train --config debug_cpu` with the cell's settings (`Cell.settings` and "

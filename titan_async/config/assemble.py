@@ -168,7 +168,8 @@ def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncT
             loss=CrossEntropyLoss.Config(global_vocab_size=model_spec.model.vocab_size),
             dataloader=HuggingFaceTextDataLoader.Config(dataset=data.train_dataset),
             validator=validator,
-            optimizer=run.optimizer.container_config(),
+            optimizer=run.optimizer.container_config(
+                pipeline_delay(run.training, run.parallelism, run.data_parallel_degree(world_size), run.microbatches())),
             lr_scheduler=run.lr_scheduler,
             training=run.training,
             parallelism=with_expert_parallel_backend(run.parallelism),

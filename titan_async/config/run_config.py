@@ -151,8 +151,7 @@ class RunConfig:
         dp = self.data_parallel_degree(world_size)
         self._check_mixture_of_experts(world_size)
         problem = check_pipeline(t, p)
-        problem = problem or check_delay(t, p, dp, self.microbatches(), self.optimizer.error_feedback.enabled,
-                                         self.model.family == "qwen3_moe")
+        problem = problem or check_delay(t, p, dp, self.microbatches(), self.model.family == "qwen3_moe")
         problem = problem or check_activation_checkpoint(p, self.activation_checkpoint.mode)
         problem = problem or self.eval.check(self.checkpoint, self.model)
         if problem:

@@ -37,6 +37,8 @@ class RoutedOptimizersContainer(OptimizersContainer):
         """`Muon` arguments for hidden matrices; None gives them to AdamW as well."""
         error_feedback_coefficient: float | None = None
         """Wrap every optimizer in error feedback with this coefficient; None: no wrapper."""
+        error_feedback_delay: int = 1
+        """The steps the gradients are late, which error feedback's correction scales by (`ErrorFeedback`)."""
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
         if config.param_groups:
@@ -66,7 +68,7 @@ class RoutedOptimizersContainer(OptimizersContainer):
         if config.implementation == "fused_opt_states_bf16":
             self._register_bf16_optimizer_state_hook()
         if config.error_feedback_coefficient is not None:
-            self.optimizers = [ErrorFeedback(o, config.error_feedback_coefficient) for o in self.optimizers]
+            self.optimizers = [ErrorFeedback(o, config.error_feedback_coefficient, config.error_feedback_delay) for o in self.optimizers]
         self._post_init(all_params)
 
     def error_feedback_norm(self) -> torch.Tensor | None:

@@ -28,7 +28,12 @@ class UpdateOptimizer(Protocol):
 
 
 class ErrorFeedback(Optimizer):
-    """`base` with error feedback: w_{t+1} = w_t - u_t - c (u_t - u_{t-1}).
+    """`base` with error feedback: w_{t+1} = w_t - u_t - c d (u_t - u_{t-1}), d = `delay`.
+
+    The correction extrapolates the update sequence by the steps the gradient is late: at
+    PipeDream-2BW's one-step delay (d = 1) it is the published rule; a gradient d steps old
+    takes the last update's change d times (`delay`, from fewer microbatches than stages or
+    `training.gradient_delay`), as weight prediction scales its horizon.
 
     u_t is the update `base` made this step (weights before minus after); the correction
     starts at a parameter's second step. The wrapper shares `base`'s param groups and state,
@@ -39,15 +44,15 @@ class ErrorFeedback(Optimizer):
     `UpdateOptimizer`) hands u_t over before touching the weights, and the whole step is done in
     place, with no copy of the weights; any other base steps first, and its weights are copied
     once per step to measure u_t. Between steps the only extra memory is `ef_previous_update`.
-    `last_correction_norm` is the L2 norm of the last step's correction c (u_t - u_{t-1})
+    `last_correction_norm` is the L2 norm of the last step's correction c d (u_t - u_{t-1})
     over this rank's local shards (None before the first step).
     """
 
-    def __init__(self, base: Optimizer, coefficient: float = 1.0) -> None:
+    def __init__(self, base: Optimizer, coefficient: float = 1.0, delay: int = 1) -> None:
         if not 0 <= coefficient <= 2:
             raise ValueError(f"error feedback coefficient must be in [0, 2], got {coefficient}")
         self.base = base
-        self.coefficient = coefficient
+        self.coefficient = coefficient * delay
         self.last_correction_norm: torch.Tensor | None = None
         # Sets up Optimizer's hook tables without registering parameters of its own.
         Optimizer.__setstate__(self, {"defaults": base.defaults})

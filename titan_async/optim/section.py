@@ -94,9 +94,10 @@ class OptimizerSection:
     def _adamw_kwargs(self, lr: float) -> dict[str, object]:
         return {"lr": lr, "betas": (self.beta1, self.beta2), "eps": self.eps, "weight_decay": self.weight_decay}
 
-    def container_config(self) -> OptimizersContainer.Config:
+    def container_config(self, delay: int = 1) -> OptimizersContainer.Config:
         """torchtitan's plain config for AdamW alone (one group over all parameters), else the
-        RoutedOptimizersContainer config for Muon and/or error feedback."""
+        RoutedOptimizersContainer config for Muon and/or error feedback (its correction scaled
+        by the gradients' `delay` in steps)."""
         if self.name == "adamw" and not self.error_feedback.enabled:
             group = ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs=self._adamw_kwargs(self.lr))
             return OptimizersContainer.Config(param_groups=[group], implementation=self.implementation)
@@ -116,4 +117,5 @@ class OptimizerSection:
             adamw_kwargs=self._adamw_kwargs(self.muon.adamw_lr if self.name == "muon" else self.lr),
             muon_kwargs=muon_kwargs,
             error_feedback_coefficient=self.error_feedback.coefficient if self.error_feedback.enabled else None,
+            error_feedback_delay=max(1, delay),
         )

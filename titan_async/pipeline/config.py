@@ -104,10 +104,10 @@ def pipeline_delay(training: DelayTraining, parallelism: PipelineParallelism, da
 
 
 def check_delay(training: DelayTraining, parallelism: PipelineParallelism, data_parallel: int, microbatches: int,
-                error_feedback: bool, moe: bool) -> str | None:
+                moe: bool) -> str | None:
     """Why a delay of several steps (`pipeline_delay` > 1) cannot run with these settings, naming
     the key; None if it can. d + 1 weight versions of plain parameters are kept so far: no FSDP,
-    replicas or TP around them, and no error feedback, Sync Start, lagged clipping or experts yet."""
+    replicas or TP around them, and no Sync Start, lagged clipping or experts yet."""
     delay = pipeline_delay(training, parallelism, data_parallel, microbatches)
     if delay <= 1:
         return None
@@ -120,7 +120,6 @@ def check_delay(training: DelayTraining, parallelism: PipelineParallelism, data_
     unsupported = {
         f"parallelism data-parallel degree {data_parallel} (FSDP or replicas): set it to 1": data_parallel > 1,
         f"parallelism.tensor_parallel_degree = {parallelism.tensor_parallel_degree}: set it to 1": parallelism.tensor_parallel_degree > 1,
-        "optimizer.error_feedback.enabled = true: set it to false": error_feedback,
         f"training.sync_start_steps = {training.sync_start_steps}: set it to 0": bool(training.sync_start_steps),
         "training.clipping = 'lagged_global': set it to 'per_stage'": training.clipping == "lagged_global",
         "model.family = 'qwen3_moe': use a dense model": moe,
