@@ -18,6 +18,8 @@ import independent_reference as ref
 import nccl_model
 from conftest import CONFIGS, TINY, cli_in_process, metrics, run_cli, sets
 from test_independent_reference import STEPS, assert_different, assert_equal, differences, pipelined, reference_inputs
+from titan_async.config.run_config import load_run_config
+from titan_async.core.errors import UserError
 from titan_async.pipeline.actions import drain_actions, gradient_delay, window_actions
 from titan_async.pipeline.versions import TwoVersions
 
@@ -270,3 +272,17 @@ def test_plan_notes_what_train_refuses_and_the_delay_with_fewer_microbatches_tha
     ranks = plan["ranks"]
     weights = [rank["memory"]["weights"] for rank in ranks]
     assert [rank["memory"]["weight_versions"] for rank in ranks] == pytest.approx([3 * w for w in weights])
+
+
+def test_a_delay_of_several_steps_refuses_fsdp_around_its_versions():
+    """d + 1 versions are kept of plain parameters only so far: PP 4 x FSDP 2 with one
+    microbatch per step is refused before launch, naming the degrees and both ways out."""
+    run = load_run_config(CONFIGS / "debug_cpu_pp2_fsdp2.toml", [
+        "parallelism.pipeline_parallel_schedule=PipeDream2BW", "parallelism.pipeline_parallel_degree=4",
+        "parallelism.data_parallel_shard_degree=2", "training.local_batch_size=1", "parallelism.pipeline_parallel_microbatch_size=1"])
+    with pytest.raises(UserError) as refused:
+        run.check(8)
+    message = str(refused.value)
+    assert "\n" not in message and "delays each gradient by d = ceil((stages - 1) / microbatches) = 3 steps" in message
+    assert "FSDP or replicas (parallelism.data_parallel_shard_degree x data_parallel_replicate_degree = 2) yet: set both to 1" in message
+    assert message.endswith("or give each step at least 3 microbatches")

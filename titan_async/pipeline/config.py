@@ -117,16 +117,18 @@ def check_delay(training: DelayTraining, parallelism: PipelineParallelism, data_
         source = (f"PipeDream2BW with {microbatches * accumulation_steps(training, data_parallel)} microbatches per step on "
                   f"{stages} stages delays each gradient by d = ceil((stages - 1) / microbatches) = {delay} steps:")
         instead = f", or give each step at least {stages - 1} microbatches"
-    unsupported = {
-        f"parallelism data-parallel degree {data_parallel} (FSDP or replicas): set it to 1": data_parallel > 1,
-        f"parallelism.tensor_parallel_degree = {parallelism.tensor_parallel_degree}: set it to 1": parallelism.tensor_parallel_degree > 1,
-        f"training.sync_start_steps = {training.sync_start_steps}: set it to 0": bool(training.sync_start_steps),
-        "training.clipping = 'lagged_global': set it to 'per_stage'": training.clipping == "lagged_global",
-        "model.family = 'qwen3_moe': use a dense model": moe,
-    }
-    for feature, present in unsupported.items():
+    unsupported = [
+        (data_parallel > 1, f"FSDP or replicas (parallelism.data_parallel_shard_degree x data_parallel_replicate_degree = "
+                            f"{data_parallel})", "set both to 1"),
+        (parallelism.tensor_parallel_degree > 1, f"parallelism.tensor_parallel_degree = {parallelism.tensor_parallel_degree}",
+         "set it to 1"),
+        (bool(training.sync_start_steps), f"training.sync_start_steps = {training.sync_start_steps}", "set it to 0"),
+        (training.clipping == "lagged_global", "training.clipping = 'lagged_global'", "set it to 'per_stage'"),
+        (moe, "model.family = 'qwen3_moe'", "use a dense model"),
+    ]
+    for present, feature, fix in unsupported:
         if present:
-            return f"{source} a delay of more than one step runs without {feature} so far{instead}"
+            return f"{source} a delay of more than one step does not run with {feature} yet: {fix}{instead}"
     return None
 
 
