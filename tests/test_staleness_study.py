@@ -291,3 +291,29 @@ def test_a_run_named_by_its_lr_keeps_its_own_console_log(tmp_path: Path):
     with pytest.raises(RuntimeError, match="adamw-lr0.003.log"):
         run_job(Job("adamw-lr0.003", tmp_path / "adamw-lr0.003", config=str(tmp_path / "missing.toml"), settings=[]))
     assert [p.name for p in tmp_path.glob("*.log")] == ["adamw-lr0.003.log"]
+
+
+def test_a_killed_study_run_resumes_from_its_checkpoint_and_counts_each_step_once(tmp_path: Path):
+    """A study run that saves checkpoints and was killed partway (its last checkpoint lost, its
+    metrics logged past the one left) resumes there instead of starting over: its console log
+    keeps the first part, the replayed steps count once, and it validates at its last step."""
+    import shutil
+    from titan_async.experiments.jobs import run_job
+    settings = staleness_runs.Settings(steps=4, adamw_lr=1e-3, muon_lr=0.01, muon_adamw_lr=1e-3, dim=64, n_layers=2,
+                                       n_heads=4, seq_len=32, batch=2, validation_freq=2, validation_steps=1, warmup_steps=1)
+    run_dir = tmp_path / "adamw-delay1"
+    job = staleness_runs.job(Arm("adamw", 1, False), settings, run_dir, checkpoint_every=2)
+    assert not job.resumes()
+    run_job(job)
+    first = staleness_runs.load_curves(run_dir / "metrics.jsonl")
+    shutil.rmtree(run_dir / "checkpoint" / "step-4")  # killed after logging step 4, before saving it
+    assert job.resumes()
+    run_job(job)
+    log = run_dir.with_name("adamw-delay1.log").read_text()
+    assert "step 1/4" in log and "step 3/4" in log.split("step 4/4", 1)[1]  # the first part, then the replay
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in metrics if r.get("kind") == "validation"].count(4) == 2
+    again = staleness_runs.load_curves(run_dir / "metrics.jsonl")
+    assert [s for s, _ in again.train] == [1, 2, 3, 4] and [s for s, _ in again.validation] == [1, 2, 4]
+    assert [loss for _, loss in again.validation] == pytest.approx([loss for _, loss in first.validation])
+    assert not staleness_runs.job(Arm("adamw", 1, False), settings, tmp_path / "fresh").resumes()

@@ -252,11 +252,13 @@ def train(run: Run, best: dict[str, float], parallel: int) -> dict:
     """Train `run` in RUNS and return its record entry."""
     settings = run.settings(best)
     run_dir = RUNS / run.cell.name / run.name
-    wall = run_job(job(run.arm, settings, run_dir), parallel)
+    training = job(run.arm, settings, run_dir, checkpoint_every=max(settings.steps // 20, 1))
+    resumed = " (resumed from a checkpoint: wall_s counts the resumed part only)" if training.resumes() else ""
+    wall = run_job(training, parallel)
     validation = load_curves(run_dir / "metrics.jsonl").validation
     if not validation or validation[-1][0] != settings.steps:
         raise RuntimeError(f"{run.key} did not validate at its last step {settings.steps} (log: {run_dir}.log)")
-    return entry_of(run, settings, validation, wall, f"trained at {git_state()}, load average {os.getloadavg()[0]:.1f}")
+    return entry_of(run, settings, validation, wall, f"trained at {git_state()}, load average {os.getloadavg()[0]:.1f}{resumed}")
 
 
 def best_of(cell: Cell, record: dict[str, dict]) -> dict[str, float]:

@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from titan_async.rundir.checkpoints import has_intact_checkpoint
+
 ROOT = Path(__file__).resolve().parents[2]
 """The source checkout the studies run from (tools/ lives there)."""
 STOPPED_BY_SIGNAL = 130
@@ -35,6 +37,9 @@ class Job:
     config: str
     settings: list[str]
     extra_args: list[str] = field(default_factory=list)
+    resumable: bool = False
+    """Whether a run stopped partway (a killed study) resumes from its latest intact checkpoint
+    (`titan-async resume`) instead of starting over; its settings must save checkpoints."""
 
     def command(self) -> list[str]:
         command = [sys.executable, "-m", "titan_async.cli", "train", "--config", self.config, "--run-dir", str(self.run_dir),
@@ -43,21 +48,32 @@ class Job:
             command += ["--set", setting]
         return command
 
+    def resumes(self) -> bool:
+        """Whether `run_job` continues an earlier, unfinished run of this job."""
+        return self.resumable and has_intact_checkpoint(self.run_dir)
+
+    def resume_command(self) -> list[str]:
+        return [sys.executable, "-m", "titan_async.cli", "resume", "--run-dir", str(self.run_dir), *self.extra_args]
+
 
 def run_job(job: Job, sharing: int = 1, budget_s: float | None = None) -> float:
-    """Train `job` into its run directory (replacing an earlier run there); return wall seconds.
+    """Train `job` into its run directory (replacing an earlier run there, unless the job
+    `resumes` it); return wall seconds.
     `sharing` runs share the machine at once: each is told so through LOCAL_WORLD_SIZE, from which
     titan-async sizes its intra-op thread pool (cores // LOCAL_WORLD_SIZE) in a one-process run.
     After `budget_s` seconds the run gets a SIGTERM and stops at the next step, which keeps what it
     logged. Console output goes to RUN_DIR.log; raises RuntimeError with its tail on failure."""
-    if job.run_dir.exists():
-        shutil.rmtree(job.run_dir)
-    job.run_dir.mkdir(parents=True)
+    resumes = job.resumes()
+    if not resumes:
+        if job.run_dir.exists():
+            shutil.rmtree(job.run_dir)
+        job.run_dir.mkdir(parents=True)
     log_file = job.run_dir.with_name(f"{job.run_dir.name}.log")  # not with_suffix: "lr0.003" has a "suffix"
     env = {**os.environ, "LOCAL_WORLD_SIZE": str(sharing)}
     start = time.perf_counter()
-    with open(log_file, "w") as log:
-        process = subprocess.Popen(job.command(), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    with open(log_file, "a" if resumes else "w") as log:
+        command = job.resume_command() if resumes else job.command()
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             status, allowed = process.wait(timeout=budget_s), {0}
         except subprocess.TimeoutExpired:

@@ -100,19 +100,18 @@ class Curves:
 
 
 def load_curves(metrics_file: Path) -> Curves:
-    """Parse a run's metrics.jsonl (train and validation records; other records ignored)."""
-    curves = Curves()
+    """Parse a run's metrics.jsonl (train and validation records; other records ignored). A step
+    logged twice (a resumed run replays the steps after its checkpoint) counts once: the later."""
+    train, validation = {}, {}
     for line in metrics_file.read_text().splitlines():
         if not line.strip():
             continue
         record = json.loads(line)
         if record.get("kind") == "validation" and VALIDATION_LOSS in record:
-            curves.validation.append((int(record["step"]), float(record[VALIDATION_LOSS])))
+            validation[int(record["step"])] = float(record[VALIDATION_LOSS])
         elif record.get("kind") == "train" and TRAIN_LOSS in record:
-            curves.train.append((int(record["step"]), float(record[TRAIN_LOSS])))
-    curves.train.sort()
-    curves.validation.sort()
-    return curves
+            train[int(record["step"])] = float(record[TRAIN_LOSS])
+    return Curves(sorted(train.items()), sorted(validation.items()))
 
 
 
@@ -167,9 +166,14 @@ class Settings:
         return [f"optimizer.lr={self.muon_lr}", f"optimizer.muon.adamw_lr={self.muon_adamw_lr}"]
 
 
-def job(arm: Arm, settings: Settings, run_dir: Path) -> Job:
-    """The training run of one arm."""
-    return Job(run_dir.name, run_dir, "debug_cpu", settings.overrides() + settings.optimizer_overrides(arm.optimizer) + arm.overrides(settings.steps))
+def job(arm: Arm, settings: Settings, run_dir: Path, checkpoint_every: int = 0) -> Job:
+    """The training run of one arm; with `checkpoint_every` steps > 0 it saves checkpoints (the
+    latest two) and resumes from them when a study restarts after being killed."""
+    overrides = settings.overrides() + settings.optimizer_overrides(arm.optimizer) + arm.overrides(settings.steps)
+    if checkpoint_every:
+        overrides = [o for o in overrides if o != "checkpoint.enable=false"]
+        overrides += ["checkpoint.enable=true", f"checkpoint.interval={checkpoint_every}", "checkpoint.keep_latest_k=2"]
+    return Job(run_dir.name, run_dir, "debug_cpu", overrides, resumable=checkpoint_every > 0)
 
 
 def dense_parameters(dim: int, n_layers: int, vocab: int, multiple_of: int) -> int:
