@@ -229,19 +229,23 @@ def test_plan_staleness_json_carries_the_shipped_laws_prediction(capsys):
     assert status == 2 and err.startswith("titan-async: --staleness: applies only without --gpu-counts")
 
 
-def test_the_longer_delays_train_last_and_their_table_reads_each_delays_gap(monkeypatch):
-    """The d = 2 and 4 arms of the longer-delay cell come after every other run; the section
-    gives each delay's mean gap over the seeds and its efficiency on the cell's own slope."""
+def test_the_longer_delays_train_first_and_their_table_reads_each_delays_gap(monkeypatch):
+    """The d = 2 and 4 arms of the longer-delay cell come before the other runs still pending (a
+    second seed here); the section gives each delay's mean gap over the seeds and its efficiency
+    on the cell's own slope."""
     cell = _cell("m", 64, 16)
     monkeypatch.setattr(scaling, "CELLS", {"m": cell})
     monkeypatch.setattr(scaling, "SEEDS_OF_CELL", {"m": (0, 1)})
     monkeypatch.setattr(scaling, "LONGER_DELAYS", ("m", (2, 4), (0, 1)))
     record = _synthetic_record([cell], LAW, slope=0.3, seeds=(0, 1))
     assert scaling._longer_delays_section(record) is None
+    left = next(key for key in record if key.endswith("-seed1"))
+    kept = record.pop(left)
     queued = [r.name for r in scaling.pending([cell], record)]
     assert queued[:6] == ["adamw-delay2", "muon-delay2", "adamw-delay2-ef", "muon-delay2-ef", "adamw-delay2-predict",
                           "muon-delay2-predict"]
-    assert len(queued) == 24 and queued[-1] == "muon-delay4-predict-seed1"
+    assert len(queued) == 25 and queued[-2:] == ["muon-delay4-predict-seed1", left.split("/")[1]]
+    record[left] = kept
     full = cell.settings(1, 1)
     sync = 5 - 0.3 * math.log(full.steps * full.seq_len * full.batch)
     for run in scaling.longer_delay_runs(cell, {"adamw": 6e-3, "muon": 1e-2}):

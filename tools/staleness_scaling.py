@@ -8,7 +8,8 @@ tokens20`) and the model size (a 541K-parameter llama). In each cell, for AdamW 
 2. at the best lr, the delayed arms: delay 1, delay 1 + EF, delay 1 + weight prediction;
 3. synchronous runs at BUDGETS of the tokens (each its own full lr schedule), which give the
    synchronous final loss as a function of the token budget: token efficiency is read from it.
-SEEDS_OF_CELL adds seeds of the synchronous and delayed arms, after every cell's seed-0 runs.
+SEEDS_OF_CELL adds seeds of the synchronous and delayed arms, after every cell's seed-0 runs;
+LONGER_DELAYS' arms (d = 2, 4) come first.
 
 Every finished run is appended at once to RECORD (docs/results/staleness_scaling/runs.jsonl:
 its cell, name, settings, wall seconds and validation curve), and a run found there is never
@@ -55,7 +56,8 @@ DELAYED = (Arm("adamw", 1, False), Arm("muon", 1, False), Arm("adamw", 1, True),
 LONGER_DELAYS = ("b16", (2, 4), (0, 1))
 """(cell, delays, seeds) of the longer-delay arms: PipeDream2BW with fewer microbatches than stages
 delays by d = ceil((p - 1) / m) steps (`training.gradient_delay = d`), plain, with error feedback
-and with weight prediction (both extrapolating by d), after every other run."""
+and with weight prediction (both extrapolating by d), before the runs still pending (the
+advisor's columns with fewer microbatches than stages wait on them)."""
 
 
 @dataclass(frozen=True)
@@ -235,10 +237,10 @@ def longer_delay_runs(cell: Cell, best: dict[str, float]) -> list[Run]:
 
 
 def pending(cells: list[Cell], record: dict[str, dict]) -> Iterator[Run]:
-    """The runs to train: cell by cell, a cell's sweep, then its seed-0 arms once the sweep has
-    chosen its lrs (meanwhile the next cell's); then every cell's extra seeds; then the longer
-    delays."""
-    for stage in ("seed 0", "extra seeds", "longer delays"):
+    """The runs to train: the longer delays (once their cell's sweep has chosen its lrs); cell by
+    cell, a cell's sweep, then its seed-0 arms once the sweep has chosen its lrs (meanwhile the
+    next cell's); then every cell's extra seeds."""
+    for stage in ("longer delays", "seed 0", "extra seeds"):
         for cell in cells:
             todo, best = sweep_runs(cell, record)
             if best is None:
