@@ -403,13 +403,6 @@ def test_the_microbatch_check_refuses_exactly_what_torchs_schedules_refuse(sched
             assert refused == torch_refuses, (schedule, pp, microbatches, torch_refuses)
 
 
-def test_simulate_with_fewer_microbatches_than_stages_is_refused_in_one_line(capsys):
-    err = fail(capsys, "plan", "--config", str(CONFIGS / "10b_2bw_muon.toml"), "--nodes", "8", "--gpus-per-node", "8",
-               "--simulate", *sets("training.local_batch_size=4"))
-    assert "--simulate compares every schedule with 1F1B, which needs at least as many microbatches per flush as stages" in err
-    assert "= 4 < 8 stages" in err
-
-
 @pytest.mark.parametrize("value, message", [
     ("-1", "training.sync_start_steps: expected an integer >= 0, got -1"),
     ("1.5", "training.sync_start_steps: expected an integer, got float 1.5"),

@@ -4,8 +4,9 @@ d = ceil((p - 1) / m) on d + 1 weight versions, and PACI stepping every a < p - 
 The 2BW policy is driven through the first stage's own action order (`actions.window_actions`,
 drains included) on a least-squares problem with SGD, against the recurrence written out:
 W[k+1] = W[k] - lr * grad f_k(W[k-d]), W[j] = W[0] for j < 0 (controls: the delay d - 1, and d
-versions instead of d + 1). The CLI runs at PP 4 (m = 1, 2), `training.gradient_delay = 2` (with
-prediction and with EF) and PACI at PP 4 (m = a = 1, 2) are compared with
+versions instead of d + 1). The CLI runs at PP 4 (m = 1, 2; and m = 1 with FSDP 2),
+`training.gradient_delay = 2` (with prediction, with EF, and with FSDP) and PACI at PP 4
+(m = a = 1, 2) are compared with
 `independent_reference.py` across a resume, and their logs replayed in the NCCL model and the
 device replay; what d > 1 does not run yet is refused in one line."""
 
@@ -20,7 +21,9 @@ import device_replay
 import independent_reference as ref
 import nccl_model
 from conftest import CONFIGS, TINY, cli_in_process, metrics, run_cli, sets
-from test_independent_reference import STEPS, assert_different, assert_equal, differences, pipelined, reference_inputs
+from test_independent_reference import (
+    STEPS, assert_different, assert_equal, assert_equal_with_resharded_norms, differences, pipelined, reference_inputs,
+)
 from titan_async.config.run_config import load_run_config
 from titan_async.core.errors import UserError
 from titan_async.pipeline.actions import drain_actions, gradient_delay, window_actions
@@ -150,13 +153,16 @@ def test_a_delay_of_several_steps_refuses_what_it_does_not_run_yet(capsys, tmp_p
 FOUR_STAGES = 'parallelism.module_fqns_per_model_part=[["tok_embeddings", "layers.0"], ["layers.1"], ["layers.2"], ["layers.3", "norm", "lm_head"]]'
 
 
-def four_stages_resumed_at_step_4(tmp_path, schedule: str, microbatches: int):
-    """PP 4 on 4 processes, `microbatches` of 1 sequence per step, stopped at the step-4 checkpoint
-    (its communication log passes the NCCL model) and resumed to STEPS."""
+def four_stages_resumed_at_step_4(tmp_path, schedule: str, microbatches: int, data_ranks: int = 1):
+    """PP 4 x FSDP `data_ranks` on 4 x `data_ranks` processes, `microbatches` of 1 sequence per
+    data rank and step, stopped at the step-4 checkpoint (its communication log passes the NCCL
+    model) and resumed to STEPS."""
+    config = "debug_cpu_pp2_fsdp2.toml" if data_ranks > 1 else "debug_cpu_pp2.toml"
     run = pipelined(tmp_path / "run", f"parallelism.pipeline_parallel_schedule={schedule}", "parallelism.pipeline_parallel_degree=4",
-                    FOUR_STAGES, f"training.local_batch_size={microbatches}", "checkpoint.interval=4",
-                    f"lr_scheduler.total_steps={STEPS}", "training.steps=4", nproc=4)
-    nccl_model.assert_nccl_safe(run / "comm", 4, bounded=False)
+                    f"parallelism.data_parallel_shard_degree={data_ranks}", FOUR_STAGES,
+                    f"training.local_batch_size={microbatches}", "checkpoint.interval=4",
+                    f"lr_scheduler.total_steps={STEPS}", "training.steps=4", config=config, nproc=4 * data_ranks)
+    nccl_model.assert_nccl_safe(run / "comm", 4, ranks_per_stage=data_ranks, bounded=False)
     run_cli("resume", "--run-dir", str(run), *sets(f"training.steps={STEPS}"), env={"TITAN_ASYNC_BATCH_LOG": str(run / "batches")})
     return run
 
@@ -231,6 +237,44 @@ def test_resume_refuses_a_change_of_the_delay(tmp_path, capsys):
     assert "a delay of 2 steps (3 weight versions)" in err and "a delay of 3 steps (4 weight versions)" in err
 
 
+def test_2bw_on_four_stages_with_fsdp_and_one_microbatch_equals_the_independent_reference_across_a_resume(tmp_path):
+    """PP 4 x FSDP 2 (8 processes) with one microbatch per data rank and step: d = 3 on the
+    sharded versions of stages held gathered, stopped at step 4 and resumed, against
+    `ref.two_bw(delay=3)` over both data ranks' batches; controls: the delays 2 and 4."""
+    run = four_stages_resumed_at_step_4(tmp_path, "PipeDream2BW", 1, data_ranks=2)
+    settings, batches, weights = reference_inputs(run)
+    assert len(settings.stages) == 4 and settings.data_ranks == 2 and settings.microbatches == 1
+    assert_equal_with_resharded_norms(differences(run, weights, ref.two_bw(settings, batches, delay=3), lambda step: step))
+    for delay in (2, 4):
+        assert_different(differences(run, weights, ref.two_bw(settings, batches, delay=delay), lambda step: step))
+
+
+def test_gradient_delay_of_two_steps_with_fsdp_equals_the_independent_reference(tmp_path):
+    """`training.gradient_delay = 2` under FSDP 2 (two processes; the versions kept as shards
+    that FSDP reshards as configured), across a resume at step 3, against `ref.two_bw(delay=2)`;
+    controls: delays 1 and 3."""
+    run = pipelined(tmp_path / "run", "training.gradient_delay=2", "parallelism.data_parallel_shard_degree=2",
+                    f"lr_scheduler.total_steps={STEPS}", "training.steps=3", config="debug_cpu_fsdp2.toml", nproc=2)
+    run_cli("resume", "--run-dir", str(run), *sets(f"training.steps={STEPS}"), env={"TITAN_ASYNC_BATCH_LOG": str(run / "batches")})
+    settings, batches, weights = reference_inputs(run)
+    assert settings.data_ranks == 2
+    assert_equal_with_resharded_norms(differences(run, weights, ref.two_bw(settings, batches, delay=2), lambda step: step))
+    for delay in (1, 3):
+        assert_different(differences(run, weights, ref.two_bw(settings, batches, delay=delay), lambda step: step))
+
+
+def test_gradient_delay_of_two_steps_with_fsdp_and_tensor_parallel_equals_the_independent_reference(tmp_path):
+    """`training.gradient_delay = 2` on FSDP 2 x TP 2 (four processes: the versions kept as
+    shards of the two-dimensional mesh) against `ref.two_bw(delay=2)`; controls: delays 1 and 3."""
+    run = pipelined(tmp_path / "run", "training.gradient_delay=2", "parallelism.data_parallel_shard_degree=2",
+                    "parallelism.tensor_parallel_degree=2", config="debug_cpu_fsdp2.toml", nproc=4)
+    settings, batches, weights = reference_inputs(run)
+    assert settings.data_ranks == 2 and settings.tensor_ranks == 2
+    assert_equal_with_resharded_norms(differences(run, weights, ref.two_bw(settings, batches, delay=2), lambda step: step))
+    for delay in (1, 3):
+        assert_different(differences(run, weights, ref.two_bw(settings, batches, delay=delay), lambda step: step))
+
+
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_paci_on_four_stages_with_fewer_microbatches_equals_the_independent_reference_across_a_resume(tmp_path, microbatches):
     """PACI at p = 4 stepping every a = m backwards, m = 1 and 2: a microbatch of stage 0 crosses
@@ -275,15 +319,36 @@ def test_plan_notes_what_train_refuses_and_the_delay_with_fewer_microbatches_tha
     assert [rank["memory"]["weight_versions"] for rank in ranks] == pytest.approx([3 * w for w in weights])
 
 
-def test_a_delay_of_several_steps_refuses_fsdp_around_its_versions():
-    """d + 1 versions are kept of plain parameters only so far: PP 4 x FSDP 2 with one
-    microbatch per step is refused before launch, naming the degrees and both ways out."""
+def test_plan_counts_the_sharded_versions_of_a_delay_of_three_steps_as_its_dry_run_allocates_them(capsys):
+    """PP 4 x FSDP 2, one microbatch per step: three side shards of each rank's weights, in the
+    estimate and in the dry run of the real policies."""
+    code, out, err = cli_in_process(capsys, "plan", "--config", str(CONFIGS / "debug_cpu_pp2_fsdp2.toml"), "--gpus-per-node", "8",
+                                    "--json", *sets("parallelism.pipeline_parallel_degree=4", "parallelism.data_parallel_shard_degree=2",
+                                                    "training.local_batch_size=1", "parallelism.pipeline_parallel_schedule=PipeDream2BW",
+                                                    "parallelism.pipeline_parallel_microbatch_size=1"))
+    assert code == 0, err
+    plan = json.loads(out)
+    for rank in plan["dry_run"]["ranks"]:
+        assert rank["weight_policies"] == ["ShardedDelayedVersions"]
+        assert rank["allocated"]["weight_versions"] == 3 * rank["allocated"]["weights"] == rank["estimate"]["weight_versions"]
+
+
+def test_a_delay_of_several_steps_refuses_weight_prediction_under_fsdp():
+    """d + 1 versions are predicted on plain parameters only so far: PP 4 x FSDP 2 with one
+    microbatch per step and weight prediction is refused before launch, naming the keys and
+    the ways out."""
     run = load_run_config(CONFIGS / "debug_cpu_pp2_fsdp2.toml", [
         "parallelism.pipeline_parallel_schedule=PipeDream2BW", "parallelism.pipeline_parallel_degree=4",
-        "parallelism.data_parallel_shard_degree=2", "training.local_batch_size=1", "parallelism.pipeline_parallel_microbatch_size=1"])
+        "parallelism.data_parallel_shard_degree=2", "training.local_batch_size=1", "parallelism.pipeline_parallel_microbatch_size=1",
+        "training.weight_prediction=1"])
     with pytest.raises(UserError) as refused:
         run.check(8)
     message = str(refused.value)
     assert "\n" not in message and "delays each gradient by d = ceil((stages - 1) / microbatches) = 3 steps" in message
-    assert "FSDP or replicas (parallelism.data_parallel_shard_degree x data_parallel_replicate_degree = 2) yet: set both to 1" in message
+    assert ("training.weight_prediction = 1.0 and FSDP or replicas (parallelism.data_parallel_shard_degree x "
+            "data_parallel_replicate_degree = 2) yet: set weight_prediction to 0 or both degrees to 1") in message
     assert message.endswith("or give each step at least 3 microbatches")
+    run = load_run_config(CONFIGS / "debug_cpu_pp2_fsdp2.toml", [
+        "parallelism.pipeline_parallel_schedule=PipeDream2BW", "parallelism.pipeline_parallel_degree=4",
+        "parallelism.data_parallel_shard_degree=2", "training.local_batch_size=1", "parallelism.pipeline_parallel_microbatch_size=1"])
+    run.check(8)  # without prediction it runs (test_2bw_on_four_stages_with_fsdp_and_one_microbatch_...)

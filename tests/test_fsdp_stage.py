@@ -192,3 +192,61 @@ def _version_worker(rank: int, init_file: str) -> None:
 
 def test_2bw_switches_copy_at_most_one_pass_and_backwards_keep_their_version(tmp_path):
     mp.spawn(_version_worker, args=(str(tmp_path / "init"),), nprocs=2)
+
+
+def _delay_worker(rank: int, init_file: str) -> None:
+    """Stage 0 of PP 4 with one microbatch per step (d = 3) held gathered, through its own
+    action order (drains included): each backward computes with U_t = W[t - 3] and each update
+    steps the latest version, W[k] = W[0] - 0.1 k, written out here; switches copy at most one
+    pass; each version is all-gathered once (its backward finds it in a gathered side buffer,
+    of which at most d are kept)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    from titan_async.pipeline.actions import drain_actions, gradient_delay, window_actions
+    _join(rank, init_file)
+    gathers, all_gather = [], _fsdp_param_group.foreach_all_gather
+    _fsdp_param_group.foreach_all_gather = lambda *args, **kwargs: gathers.append(1) or all_gather(*args, **kwargs)
+    try:
+        torch.manual_seed(0)
+        reference = nn.Sequential(nn.Linear(8, 15), nn.Tanh(), nn.Linear(15, 3))
+        w0 = {name: t.clone() for name, t in reference.state_dict().items()}
+        stages, delay, windows = 4, gradient_delay(4, 1), 7
+        weights = lambda k: {name: t - 0.1 * max(k, 0) for name, t in w0.items()}  # W[k]
+        model = _sharded_toy(reference)
+        policy = make_policy("PipeDream2BW", model, microbatches=1, accumulation=None, hold_gathered=True, lag=delay)
+        sharded = list(model.parameters())
+        gathered = sum(p.numel() * p.element_size() for p in reference.parameters())
+        inputs, outputs, since, checked = {}, {}, 0, 0
+        for window in range(windows):
+            actions = window_actions(0, stages, 1, window, since)
+            if window in (3, windows - 1):
+                actions += drain_actions(0, stages, 1, window, since)
+                since = window + 1
+            for action in actions:
+                k = action.microbatch_index
+                if action.computation_type.value == "F":
+                    policy.before_forward(k)
+                    inputs[k] = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + k)).requires_grad_()
+                    outputs[k] = model(inputs[k]).sum()
+                    continue
+                _switch(policy, k, gathered)
+                outputs.pop(k).backward()
+                expected = _input_grad(reference, inputs[k], weights(k - delay))
+                assert torch.allclose(inputs.pop(k).grad, expected, atol=1e-6), (rank, k)
+                checked += 1
+                assert policy.after_backward(k) == k
+                policy.apply_update(k, lambda: step(sharded))
+                assert len(policy.spares) <= delay
+            if since == window + 1:
+                policy.expose_latest(window + 1)
+                for param, name in zip(sharded, w0):
+                    assert torch.allclose(param.full_tensor(), weights(window + 1)[name], atol=1e-6), (rank, window, name)
+        assert checked == windows and policy.extra_bytes() == delay * sum(p.to_local().untyped_storage().nbytes() for p in sharded)
+        assert len(gathers) == windows * len(FsdpStage.of(model).groups), (rank, len(gathers))
+    finally:
+        _fsdp_param_group.foreach_all_gather = all_gather
+        dist.destroy_process_group()
+
+
+def test_2bw_at_a_delay_of_three_steps_backwards_on_the_version_of_three_steps_before(tmp_path):
+    mp.spawn(_delay_worker, args=(str(tmp_path / "init"),), nprocs=2)

@@ -114,15 +114,19 @@ def test_gpu_counts_keep_the_global_batch_and_simulate_each_point_as_plan_does(c
     reasons = {s["gpus"]: s["reason"] for s in advice["skipped"]}
     assert sorted(reasons) == [3] and "whole number of 2-GPU nodes" in reasons[3]
     at_16 = {layout["layout"]: layout for layout in advice["points"][3]["layouts"]}
-    assert "fewer microbatches" in at_16["PP 2 x FSDP 8"]["reason"]
+    fewer = at_16["PP 2 x FSDP 8"]  # one microbatch on two stages: 1F1B refused, GPipe and the streaming ones run
+    assert fewer["unfit"]["1F1B"].startswith("ac=none mb=1: not simulated: train refuses it:")
+    assert {"GPipe", "PipeDream2BW", "PACI"} <= set(fewer["settings"]) and fewer["settings"]["PipeDream2BW"]["delay"] == 1
     assert at_16["FSDP 16"]["reason"] == "8 sequences per step do not divide over 16 data ranks"
     assert at_16["TP 2 x FSDP 8"]["settings"]["FSDP"]["microbatch_size"] == 1
     point = config_layout(advice["points"][1])
     best = point["fastest"]
     assert point["tokens_per_second"][best] == max(point["tokens_per_second"].values())
     chosen = point["settings"][best]
+    as_simulated = "1F1B" if 4 // chosen["microbatch_size"] >= 2 else "GPipe"  # 1F1B refuses one microbatch on two stages
     hand = by_setting(capsys, chosen["activation_checkpoint"], chosen["microbatch_size"], "--nodes", "2",
-                      "--set", "training.local_batch_size=4", "--set", "parallelism.data_parallel_shard_degree=2")
+                      "--set", "training.local_batch_size=4", "--set", "parallelism.data_parallel_shard_degree=2",
+                      "--set", f"parallelism.pipeline_parallel_schedule={as_simulated}")
     by_hand = {s["name"]: s["tokens_per_second"] for s in hand["simulation"]["schedules"]}
     assert point["tokens_per_second"][best] == pytest.approx(by_hand[best], rel=1e-9)
     assert chosen["m_over_p"] == 4 / chosen["microbatch_size"] / 2

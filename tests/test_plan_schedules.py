@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import CONFIGS, cli_in_process
+from conftest import CONFIGS, cli_in_process, sets
 
 from titan_async.cluster.estimate import Cluster, estimate
 from titan_async.cluster.memory import held_microbatches
@@ -133,3 +133,19 @@ def test_muon_exchange_is_charged_to_the_optimizer_step_over_its_link_and_adamw_
     adamw_slow, _ = _optimizer_seconds(CONFIGS / "10b_paci_adamw.toml", 450.0)
     adamw_fast, _ = _optimizer_seconds(CONFIGS / "10b_paci_adamw.toml", 900.0)
     assert adamw_slow == adamw_fast
+
+
+def test_simulate_with_fewer_microbatches_than_stages_leaves_out_what_train_refuses(capsys):
+    """4 microbatches on 8 stages: 1F1B and DualPipeV (torch's refusals, `check_microbatches`)
+    are not simulated, each with train's one-line reason; the ratios to 1F1B are "-"; PipeDream2BW
+    runs at its delay."""
+    code, out, err = cli_in_process(capsys, "plan", "--config", str(CONFIGS / "10b_2bw_muon.toml"), "--nodes", "8",
+                                    "--gpus-per-node", "8", "--simulate", "--json", *sets("training.local_batch_size=4"))
+    assert code == 0, err
+    simulation = json.loads(out)["simulation"]
+    assert set(simulation["skipped"]) == {"1F1B", "DualPipeV"}
+    assert simulation["skipped"]["1F1B"].startswith("train refuses it: parallelism.pipeline_parallel_schedule = '1F1B' needs at least")
+    assert "= 4 < 8 stages" in simulation["skipped"]["1F1B"] and "= 4 < 16 stages" in simulation["skipped"]["DualPipeV"]
+    rows = {row["name"]: row for row in simulation["schedules"]}
+    assert all(row["vs_1f1b"] is None for row in rows.values())
+    assert rows["PipeDream2BW"]["vs_best_synchronous"] > 1 and rows["GPipe"]["bubble"][0] > 0.5

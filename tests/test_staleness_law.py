@@ -47,6 +47,18 @@ def test_the_law_evaluates_its_power_law_with_its_residual_range_and_names_what_
     assert staleness.estimate("muon", "ef", 4000, 16_000_000, wide).low == pytest.approx(math.exp(-2 * 0.0125))
 
 
+def test_a_longer_delay_scales_the_laws_cost_by_its_delay_exponent_and_names_an_untrained_delay():
+    # at 1000 steps of 1e6 parameters ln(1/eta) = c; at d = 4 with exponent 1.5: c x 4^1.5 = 8 c
+    delayed = replace(LAW, delay_exponents={"muon+none": 1.5}, delays=(1, 4))
+    found = staleness.estimate("muon", "none", 1000, 1_000_000, delayed, delay=4)
+    assert found.efficiency == pytest.approx(math.exp(-0.2 * 8)) and found.extrapolated == ()
+    assert staleness.estimate("muon", "none", 1000, 1_000_000, delayed, delay=1).efficiency == pytest.approx(math.exp(-0.2))
+    assert staleness.estimate("muon", "none", 1000, 1_000_000, delayed, delay=8).extrapolated == (
+        "a delay of 8 lies outside the studies' 1..4 (2x beyond)",)
+    with pytest.raises(KeyError):  # no exponent fitted for it: no estimate at d > 1
+        staleness.estimate("muon", "ef", 1000, 1_000_000, delayed, delay=2)
+
+
 def test_the_gap_is_the_efficiency_on_chinchillas_loss_curve():
     def chinchilla_loss(tokens: float) -> float:  # Hoffmann et al. 2022, approach 3, at a fixed model size
         return 1.69 + 406.4 / 1e9 ** 0.34 + 410.7 / tokens ** 0.28
@@ -254,4 +266,8 @@ def test_the_longer_delays_train_first_and_their_table_reads_each_delays_gap(mon
     table = scaling._longer_delays_section(record)
     assert "| muon | none | 4 | +0.1200, +0.1200 | +0.4000 | 0.670 | 1.492x |" in table
     assert "| adamw | predict | 2 | +0.0600, +0.0600 |" in table
+    exponents, delays = scaling.delay_exponents(record)
+    y1 = LAW.log_inefficiency("muon", "none", full.steps, cell.regime.parameters)  # y_2 = 0.06 / 0.3, y_4 = 0.12 / 0.3
+    assert exponents["muon+none"] == pytest.approx((math.log(0.2 / y1) / math.log(2) + math.log(0.4 / y1) / math.log(4)) / 2)
+    assert delays == (1, 4) and len(exponents) == 6 and f"muon+none {exponents['muon+none']:.2f}" in table
     assert not list(scaling.pending([cell], record))

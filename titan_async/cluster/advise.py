@@ -15,10 +15,12 @@ the count, or whose data ranks do not divide the batch, says why):
 
 With a pipeline every schedule is simulated as `plan --simulate` simulates the config, at each
 setting of `settings` (activation checkpointing mode x microbatch size) that divides the data
-rank's batch into at least p microbatches, and keeps its fastest setting whose peak memory
-(`schedule_memory`) fits `--gpu-memory` and that `train` would run with it (selective
-recomputation is refused with the split-backward schedules and PACI); a schedule with none shows
-why. Without a pipeline there is no schedule: one step of FSDP / HSDP (+TP) is simulated
+rank's batch, and keeps its best setting (least time to target, `schedule_time`) whose peak
+memory (`schedule_memory`) fits `--gpu-memory` and that `train` would run with it (selective
+recomputation is refused with the split-backward schedules and PACI; torch's 1F1B and DualPipeV
+refuse fewer microbatches than stages); a schedule with none shows why. With fewer microbatches
+than stages PipeDream2BW delays by d = ceil((p - 1) / m) steps and PACI by up to
+ceil((p - 1) / a) local steps (`schedule_delay`), each costed at that delay. Without a pipeline there is no schedule: one step of FSDP / HSDP (+TP) is simulated
 (`simulate.simulate_data_parallel`), its microbatch (the local batch of one forward) each size of
 `NO_PIPELINE_SIZES` and the whole data rank's batch that divides it, gradient accumulation
 making up the rest. Memory headroom buys speed: a layout that fits without recomputation is
@@ -26,16 +28,19 @@ simulated without it.
 
 Each schedule's predicted time to the synchronous run's final loss (`time_to_target`) is
 training.steps x tokens per step / (tokens/s x token efficiency): efficiency 1 for synchronous
-schedules and no pipeline; for the streaming ones (one-step delay) the staleness law's
-(`staleness.estimate`, a law passed in or the shipped one), PACI's bounded from above by that of
-the delay 1. A layout's best schedule, each kind's best layout and the recommended one are those
-of least time; with an optimizer the law does not cover, those of most tokens/s.
+schedules and no pipeline; for the streaming ones the staleness law's at their delay
+(`staleness.estimate`, a law passed in or the shipped one; unknown at a delay of several steps
+before the law has its delay term), PACI's bounded from above by that of its delay. A layout's
+best schedule, each kind's best layout and the recommended one are those of least time (a row
+of unknown time after every known one); with an optimizer the law does not cover, those of most
+tokens/s.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import cache
 from pathlib import Path
 from typing import Any, Callable
 
@@ -44,6 +49,7 @@ from titan_async.cluster.estimate import Cluster, check_world_size
 from titan_async.cluster.schedule_memory import with_schedule
 from titan_async.config.run_config import RunConfig
 from titan_async.core.errors import UserError
+from titan_async.pipeline.actions import gradient_delay
 from titan_async.pipeline.config import accumulation_steps, check_activation_checkpoint
 from titan_async.pipeline.schedules import STREAMING_SCHEDULES
 
@@ -53,6 +59,9 @@ MICROBATCH_SIZES = (1, 2, 4)
 NO_PIPELINE_SIZES = (1, 2, 4, 8)
 """Sequences per forward tried without a pipeline, besides the data rank's whole batch."""
 KINDS = ("no pipeline", "fewer stages", "config")
+FALLBACK_SCHEDULE = "GPipe"
+"""The schedule a setting is simulated as when the config's refuses it (torch's GPipe runs any
+number of microbatches): the simulation covers every schedule whichever the config names."""
 SYNCHRONOUS_SCHEDULE = "1F1B"
 """The schedule name a layout without a pipeline carries (no weight versions: its memory is that of a synchronous run)."""
 
@@ -81,13 +90,12 @@ class Setting:
 
 
 def settings(run: RunConfig) -> list[Setting]:
-    """Every activation checkpointing mode x each microbatch size that splits `run`'s local batch:
-    with a pipeline `MICROBATCH_SIZES` and the config's, into at least p microbatches; without
-    one `NO_PIPELINE_SIZES` and the whole local batch."""
+    """Every activation checkpointing mode x each microbatch size that splits `run`'s local batch
+    (into fewer microbatches than stages too): with a pipeline `MICROBATCH_SIZES` and the
+    config's; without one `NO_PIPELINE_SIZES` and the whole local batch."""
     local, pp = run.training.local_batch_size, run.parallelism.pipeline_parallel_degree
     tried = {*NO_PIPELINE_SIZES, local} if pp == 1 else {*MICROBATCH_SIZES, run.parallelism.pipeline_parallel_microbatch_size}
-    return [Setting(mode, size) for size in sorted(tried) if local % size == 0 and local // size >= pp
-            for mode in ACTIVATION_CHECKPOINT_MODES]
+    return [Setting(mode, size) for size in sorted(tried) if local % size == 0 for mode in ACTIVATION_CHECKPOINT_MODES]
 
 
 @dataclass(frozen=True)
@@ -149,12 +157,7 @@ def at_layout(run: RunConfig, sequences: int, gpus: int, candidate: Candidate) -
     if c.pp == 1:
         parallelism = replace(parallelism, pipeline_parallel_schedule=SYNCHRONOUS_SCHEDULE, emulated_stages=0)
         training = replace(training, global_batch_size=sequences, weight_prediction=0.0, gradient_delay=0, sync_start_steps=0)
-    scaled = replace(run, training=training, parallelism=parallelism)
-    if not settings(scaled):
-        return (f"{local} sequences per data rank make fewer microbatches than {c.pp} stages "
-                f"at every microbatch size ({', '.join(map(str, sorted({*MICROBATCH_SIZES, p.pipeline_parallel_microbatch_size})))}): "
-                "torch's schedules refuse that, and a streaming delay of more than one step runs without FSDP so far")
-    return scaled
+    return replace(run, training=training, parallelism=parallelism)
 
 
 def _candidates(name: str, plans: dict[Setting, dict]) -> tuple[list[tuple[float, Setting, dict]], list[tuple[float, str]]]:
@@ -177,17 +180,33 @@ def _candidates(name: str, plans: dict[Setting, dict]) -> tuple[list[tuple[float
     return fitting, why
 
 
-def fastest_fitting(name: str, plans: dict[Setting, dict]) -> dict[str, Any] | str:
-    """Schedule `name`'s fastest fitting setting among `plans` (setting -> plan with its "run"):
-    tokens/s, setting, m / p and peak bytes; or, when none fits, why in one line (the setting
-    with the smallest peak, or why the first could not be simulated or estimated)."""
+def schedule_delay(name: str, plan: dict) -> int:
+    """The delay in steps whose staleness schedule `name` pays at `plan`'s layout: 0 when
+    synchronous; PipeDream2BW's d = ceil((p - 1) / m) (at least 1, m the microbatches of its
+    window); PACI's bound, ceil((p - 1) / a) local steps (at least 1, a the backwards of each)."""
+    if name not in STREAMING_SCHEDULES:
+        return 0
+    layout = plan["layout"]
+    window = layout["microbatches"] * layout["accumulation_steps"]
+    every = window if name == "PipeDream2BW" else plan["run"].parallelism.paci.accumulation or window
+    return gradient_delay(layout["pipeline_parallel"], every)
+
+
+def best_fitting(name: str, plans: dict[Setting, dict], goal: Target | None = None) -> dict[str, Any] | str:
+    """Schedule `name`'s best fitting setting among `plans` (setting -> plan with its "run"): of
+    least time to `goal` (`rank_key`; most tokens/s without one), with its tokens/s, setting,
+    m / p, delay (`schedule_delay`) and peak bytes; or, when none fits, why in one line (the
+    setting with the smallest peak, or why the first could not be simulated or estimated)."""
     fitting, why = _candidates(name, plans)
     if not fitting:
         return min(why, key=lambda found: found[0])[1] if why else "every setting refused with this schedule"
-    tokens, setting, row = max(fitting, key=lambda found: found[0])
-    return {"tokens_per_second": tokens, "setting": setting.label, "activation_checkpoint": setting.activation_checkpoint,
-            "microbatch_size": setting.microbatch_size, "m_over_p": _m_over_p(plans[setting]),
-            "peak_bytes": row["memory"]["peak_bytes"]}
+    rows = []
+    for tokens, setting, row in fitting:
+        chosen = {"tokens_per_second": tokens, "setting": setting.label, "activation_checkpoint": setting.activation_checkpoint,
+                  "microbatch_size": setting.microbatch_size, "m_over_p": _m_over_p(plans[setting]),
+                  "delay": schedule_delay(name, plans[setting]), "peak_bytes": row["memory"]["peak_bytes"]}
+        rows.append(chosen | (time_to_target(tokens, goal, name, chosen["delay"]) if goal else {}))
+    return min(rows, key=lambda row: rank_key(row, goal))
 
 
 def _m_over_p(plan: dict) -> float:
@@ -195,21 +214,28 @@ def _m_over_p(plan: dict) -> float:
     return layout["microbatches"] * layout["accumulation_steps"] / layout["pipeline_parallel"]
 
 
-def advise_point(run: RunConfig, cluster: Cluster, simulate: Callable[[RunConfig, Cluster], dict]) -> dict[str, Any] | str:
-    """Every schedule at its fastest fitting setting (`fastest_fitting`) for `run` on `cluster`,
-    the best synchronous and streaming ones, the gain of the one over the other, the fastest
-    schedule and the model's parameters; or why no setting could be simulated."""
+def advise_point(run: RunConfig, cluster: Cluster, simulate: Callable[[RunConfig, Cluster], dict],
+                 goal: Callable[[int], Target] | None = None) -> dict[str, Any] | str:
+    """Every schedule at its best fitting setting (`best_fitting`, each with its time to
+    `goal(parameters)` where given) for `run` on `cluster`, the best synchronous and streaming
+    ones by tokens/s, the gain of the one over the other, the fastest schedule and the model's
+    parameters; or why no setting could be simulated."""
     plans, errors = {}, []
     for setting in settings(run):
+        applied = setting.apply(run)
         try:
-            plans[setting] = {**simulate(setting.apply(run), cluster), "run": setting.apply(run)}
+            plans[setting] = {**simulate(applied, cluster), "run": applied}
         except UserError as err:
-            errors.append(f"{setting.label}: {err}")
+            try:  # the config's schedule refuses this setting (1F1B with fewer microbatches than stages): every other is still simulated
+                plans[setting] = {**simulate(with_schedule(applied, FALLBACK_SCHEDULE), cluster), "run": applied, "refused": str(err)}
+            except UserError:
+                errors.append(f"{setting.label}: {err}")
     if not plans:
         return errors[0]
     names = dict.fromkeys(name for plan in plans.values()
                           for name in [*(r["name"] for r in plan["simulation"]["schedules"]), *plan["simulation"]["skipped"]])
-    chosen = {name: fastest_fitting(name, plans) for name in names}
+    aim = goal(next(iter(plans.values()))["parameters"]) if goal else None
+    chosen = {name: best_fitting(name, plans, aim) for name in names}
     fits = {name: c for name, c in chosen.items() if isinstance(c, dict)}
     tokens = {name: c["tokens_per_second"] for name, c in fits.items()}
     synchronous = {name: v for name, v in tokens.items() if name not in STREAMING_SCHEDULES}
@@ -229,7 +255,7 @@ def advise_point(run: RunConfig, cluster: Cluster, simulate: Callable[[RunConfig
         "best_streaming": best_stream,
         "streaming_gain": streaming[best_stream] / synchronous[best_sync] if best_sync and best_stream else None,
         "fastest": fastest,
-        "config_schedule_fits": plans[own]["fits"] if own in plans else None,
+        "config_schedule_fits": plans[own]["fits"] if own in plans and "refused" not in plans[own] else None,
         "data_parallel_shard": next(iter(plans.values()))["layout"]["data_parallel_shard"],
         "parameters": next(iter(plans.values()))["parameters"],
     }
@@ -257,10 +283,15 @@ class Target:
     tokens: int
     delay: staleness.Estimate | None
     unknown: str = ""
+    longer: Callable[[int], staleness.Estimate | None] = lambda delay: None
+    """The estimate at a delay of several steps (None where the law has no delay term for it)."""
 
-    def efficiency(self, name: str) -> staleness.Estimate | None:
-        """Schedule `name`'s token efficiency: 1 unless streaming; a streaming one's delay-1 estimate."""
-        return self.delay if name in STREAMING_SCHEDULES else SYNCHRONOUS
+    def efficiency(self, name: str, delay: int = 1) -> staleness.Estimate | None:
+        """Schedule `name`'s token efficiency: 1 unless streaming; a streaming one's estimate at
+        `delay` steps."""
+        if name not in STREAMING_SCHEDULES:
+            return SYNCHRONOUS
+        return self.delay if delay <= 1 or self.delay is None else self.longer(delay)
 
 
 def target(run: RunConfig, tokens_per_step: int, parameters: int, law: staleness.Law | None) -> Target:
@@ -268,18 +299,27 @@ def target(run: RunConfig, tokens_per_step: int, parameters: int, law: staleness
     optimizer and corrector after training.steps steps of a `parameters`-parameter model."""
     tokens = run.training.steps * tokens_per_step
     corrector = staleness.corrector_of(run.optimizer.error_feedback.enabled, run.training.weight_prediction)
+
+    @cache
+    def longer(delay: int) -> staleness.Estimate | None:
+        try:
+            return staleness.estimate(run.optimizer.name, corrector, run.training.steps, parameters, law, delay)
+        except KeyError:
+            return None
+
     try:
-        return Target(tokens, staleness.estimate(run.optimizer.name, corrector, run.training.steps, parameters, law))
+        return Target(tokens, staleness.estimate(run.optimizer.name, corrector, run.training.steps, parameters, law), longer=longer)
     except KeyError:
         return Target(tokens, None, f"the staleness law covers AdamW and Muon, not optimizer.name = {run.optimizer.name!r} "
                                     f"with corrector {corrector!r}: the streaming schedules' efficiency is unknown, "
                                     "every layout is ranked by tokens/s")
 
 
-def time_to_target(tokens_per_second: float, goal: Target, name: str) -> dict[str, float | None]:
-    """Schedule `name`'s token efficiency with its range and its hours to the synchronous run's
-    final loss, goal.tokens / (tokens/s x efficiency), with their range (None where unknown)."""
-    found = goal.efficiency(name)
+def time_to_target(tokens_per_second: float, goal: Target, name: str, delay: int = 1) -> dict[str, float | None]:
+    """Schedule `name`'s token efficiency at `delay` steps with its range and its hours to the
+    synchronous run's final loss, goal.tokens / (tokens/s x efficiency), with their range (None
+    where unknown)."""
+    found = goal.efficiency(name, delay)
     if found is None:
         return dict.fromkeys(("efficiency", "efficiency_low", "efficiency_high", "hours", "hours_low", "hours_high"))
 
@@ -290,10 +330,13 @@ def time_to_target(tokens_per_second: float, goal: Target, name: str) -> dict[st
             "hours": hours(found.efficiency), "hours_low": hours(found.high), "hours_high": hours(found.low)}
 
 
-def rank_key(entry: dict[str, Any], goal: Target) -> float:
-    """What orders schedules and layouts, least first: hours to target, or, with the efficiency
+def rank_key(entry: dict[str, Any], goal: Target | None) -> tuple[bool, float]:
+    """What orders schedules and layouts, least first: hours to target, a row of unknown hours (a
+    delay the law has no term for) after every known one; without a goal or with the efficiency
     unknown, seconds per token."""
-    return 1 / entry["tokens_per_second"] if goal.delay is None else entry["hours"]
+    if goal is None or goal.delay is None or entry["hours"] is None:
+        return goal is not None and goal.delay is not None, 1 / entry["tokens_per_second"]
+    return False, entry["hours"]
 
 
 def _entries(layout: dict[str, Any]) -> list[dict[str, Any]]:
@@ -314,13 +357,11 @@ def advise_gpu_count(run: RunConfig, sequences: int, cluster: Cluster, simulate:
         described = {"kind": candidate.kind, "layout": candidate.label(cluster.world_size, run.parallelism.context_parallel_degree),
                      "pipeline_parallel": candidate.pp, "tensor_parallel": candidate.tp, "data_parallel_replicate": candidate.replicas}
         scaled = at_layout(run, sequences, cluster.world_size, candidate)
-        point = scaled if isinstance(scaled, str) else advise_point(scaled, cluster, simulate)
+        point = scaled if isinstance(scaled, str) else advise_point(scaled, cluster, simulate, goal)
         if isinstance(point, str):
             layouts.append({**described, "reason": point})
             continue
         aim = goal(point["parameters"])
-        for name, chosen in point["settings"].items():
-            chosen.update(time_to_target(chosen["tokens_per_second"], aim, name))
         rows = _entries({**described, **point})
         best = min(rows, key=lambda row: rank_key(row, aim))["schedule"] if rows else None
         layouts.append({**described, **point, "best": best})
@@ -391,7 +432,13 @@ def notes(run: RunConfig, goal: Target) -> list[str]:
     lines = [f"streaming schedules' token efficiency {goal.delay.efficiency:.3f} ({goal.delay.low:.3f}-{goal.delay.high:.3f}): "
              f"the staleness law for {run.optimizer.name} with corrector {corrector!r} after {run.training.steps:,} steps; "
              "synchronous schedules and no pipeline 1",
-             "PACI: the delay-1 estimate, an upper bound of its cost (a microbatch crosses at most one update of its stage)"]
+             "PACI: the estimate at its delay, an upper bound of its cost (with a >= p - 1 backwards per local step a "
+             "microbatch crosses at most one update of its stage; with fewer, up to ceil((p - 1) / a))"]
+    longer = goal.longer(2)
+    lines.append("fewer microbatches than stages (m < p - 1): PipeDream2BW delays by d = ceil((p - 1) / m) steps, "
+                 + ("costed by the law's delay term (ln(1/eta) x d ** exponent)" if longer else
+                    "whose efficiency is unknown (the law has no delay term for this optimizer and corrector): "
+                    "such rows rank after every row of known time"))
     lines += [f"extrapolated: {note}" for note in goal.delay.extrapolated]
     return lines
 

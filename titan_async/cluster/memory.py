@@ -153,10 +153,11 @@ class Setup:
     unsharded_for_step: bool
     """FSDP units stay unsharded across the actions of a step (pipeline schedules)."""
     version_copies: int
-    """Extra copies of the local weights the weight-version policy keeps (0 or 1; 2 with weight
-    prediction: 2BW's two predictions besides the latest weights, PACI's W_prev and prediction)."""
+    """Extra copies of the local weights the weight-version policy keeps (0, or 2BW's delay d; 2
+    with weight prediction: 2BW's two predictions besides the latest weights, PACI's W_prev and
+    prediction)."""
     gathered_versions: int
-    """Extra gathered copies of the stage weights (1: PipeDream2BW under FSDP2 on a pipeline)."""
+    """Extra gathered copies of the stage weights (PipeDream2BW under FSDP2 on a pipeline: d)."""
     optimizer: Literal["adamw", "muon"]
     error_feedback: bool
     activation_checkpoint: Literal["none", "selective", "full"]

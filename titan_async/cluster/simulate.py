@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from titan_async.cluster.estimate import Cluster, Layout, all_to_all_bytes
 from titan_async.cluster.memory import (
@@ -72,9 +73,10 @@ from titan_async.config.run_config import RunConfig, load_run_config
 from titan_async.core.errors import UserError
 from titan_async.optim.muon_cost import StageCost, stage_costs
 from titan_async.optim.routing import route_parameters
-from titan_async.pipeline.config import accumulation_steps, microbatches
+from titan_async.pipeline.config import accumulation_steps, check_delay, microbatches
 from titan_async.pipeline.schedules import SCHEDULE_NAMES, STREAMING_SCHEDULES, streaming_schedule
 from titan_async.pipeline.simulation import Collectives, Costs, Link, compare, costs_from_trace, one_f_one_b, simulate_synchronous
+from titan_async.pipeline.split import check_microbatches
 from titan_async.pipeline.trace import draw_gantts
 
 SPLIT_COST = {False: 1.03, True: 2.14}
@@ -355,10 +357,6 @@ def simulate_plan(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes
             raise UserError(f"{run.source}: --simulate without a pipeline (parallelism.pipeline_parallel_degree = 1) "
                             "covers dense models so far")
         return simulate_data_parallel(run, layout, model, shapes, setup, cluster, options, tokens_per_step, memory)
-    if layout.microbatches < layout.pp:
-        raise UserError(f"{run.source}: --simulate compares every schedule with 1F1B, which needs at least as many microbatches "
-                        f"per flush as stages: training.local_batch_size / parallelism.pipeline_parallel_microbatch_size = "
-                        f"{layout.microbatches} < {layout.pp} stages")
     accumulation = run.parallelism.paci.accumulation
     if options.costs_from:
         costs = traced_costs(options.costs_from, layout)
@@ -366,8 +364,11 @@ def simulate_plan(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes
     else:
         costs = rank_costs(run, layout, model, shapes, setup, cluster, options)
         collectives = {name: rank_collectives(name, layout, shapes, setup, cluster, options, accumulation) for name in SCHEDULE_NAMES}
+    refused = refused_by_train(run, layout)
     rows, skipped = compare(layout.pp, layout.microbatches, costs, flushes=layout.accumulation_steps, accumulation=accumulation,
+                            schedules=tuple(name for name in SCHEDULE_NAMES if name not in refused),
                             costs_of=lambda name: replace(costs, collectives=collectives[name]))
+    skipped |= refused
     seconds = {name: collective_seconds(ranks, reductions_per_step(name, layout.microbatches, layout.accumulation_steps, accumulation))
                for name, ranks in collectives.items()}
     if options.gantt:
@@ -396,6 +397,25 @@ def simulate_plan(run: RunConfig, layout: Layout, model: torch.nn.Module, shapes
         assumptions.append(f"mixture of experts: the experts count {setup.top_k} / {setup.num_experts} of their weights; "
                            "under expert parallelism every token all-to-all waits for its bytes over the EP group's link")
     return {"schedules": schedules, "skipped": skipped, "costs": asdict(costs), "assumptions": assumptions}
+
+
+def refused_by_train(run: RunConfig, layout: Layout) -> dict[str, str]:
+    """Name -> why `train` refuses that schedule at the layout's microbatches per flush: a
+    synchronous one by torch's conditions (`split.check_microbatches`: fewer than stages for 1F1B
+    and DualPipeV; two stages per rank for the multi-stage schedules, as simulated), PipeDream2BW
+    where its delay of several steps does not run with the rest of the config (`check_delay`)."""
+    two_bw = replace(run.parallelism, pipeline_parallel_schedule="PipeDream2BW")
+    problem = check_delay(run.training, two_bw, layout.fsdp * layout.replicas, layout.microbatches,
+                          run.model.family == "qwen3_moe")
+    refused = {"PipeDream2BW": f"train refuses it: {problem}"} if problem else {}
+    for name in SCHEDULE_NAMES:
+        if name not in STREAMING_SCHEDULES:
+            stages = layout.pp if issubclass(get_schedule_class(name), PipelineScheduleSingle) else 2 * layout.pp
+            try:
+                check_microbatches(name, layout.microbatches, stages, layout.pp)
+            except ValueError as err:
+                refused[name] = f"train refuses it: {err}"
+    return refused
 
 
 def _memory_of(memory: dict[str, dict[str, Any] | str] | None, name: str) -> dict[str, Any]:

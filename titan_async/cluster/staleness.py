@@ -16,10 +16,12 @@ gap = s x ln(1 / eta). The study's own slope is that of its tiny models and data
 the slope is Chinchilla's (Hoffmann et al. 2022, L = E + A / N^alpha + B / D^beta, so
 s = beta x B x D^-beta), stated as such wherever a gap is shown.
 
-A PACI microbatch crosses at most one update of its stage when the stage steps every a >= p - 1
-backwards (docs/schedules.md), so the delay-1 law bounds PACI's cost from above there; with
-fewer it crosses up to ceil((p - 1) / a), and a PipeDream2BW with fewer microbatches than stages
-delays by d = ceil((p - 1) / m) steps: the law, fitted at delay 1, understates both.
+A PipeDream2BW with fewer microbatches than stages delays by d = ceil((p - 1) / m) steps; the
+law's delay term, fitted where the studies trained d = 2 and 4 (`Law.delay_exponents`), scales
+ln(1 / eta) by d ** delay_exponent[optimizer, corrector]. A PACI microbatch crosses at most one
+update of its stage when the stage steps every a >= p - 1 backwards (docs/schedules.md), so the
+delay-1 law bounds PACI's cost from above there; with fewer it crosses up to ceil((p - 1) / a),
+bounded by the law at that delay.
 """
 
 from __future__ import annotations
@@ -58,22 +60,29 @@ class Law:
     """By coefficient: how many times the law underestimates the paper's points (their ln(1 / eta)
     over the law's at their steps and size, at least 1); an extrapolating prediction's pessimistic
     end goes that far."""
+    delay_exponents: dict[str, float] = field(default_factory=dict)
+    """By coefficient: ln(1 / eta) at a delay of d steps is d ** exponent times the delay-1 law's
+    (fitted on the studies' d = 2 and 4 runs; a coefficient without one has no estimate at d > 1)."""
+    delays: tuple[int, int] = (1, 1)
+    """The delays the studies trained."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Law:
         return cls(dict(data["coefficients"]), data["steps_exponent"], data["parameters_exponent"], data["residual_factor"],
                    tuple(data["steps"]), tuple(data["parameters"]), data["source"], dict(data.get("range_factors", {})),
-                   dict(data.get("out_of_sample_factors", {})))
+                   dict(data.get("out_of_sample_factors", {})), dict(data.get("delay_exponents", {})),
+                   tuple(data.get("delays", (1, 1))))
 
     def range_factor(self, optimizer: str, corrector: str) -> float:
         """The factor either way on ln(1 / eta) that bounds the prediction's range."""
         return max(self.residual_factor, self.range_factors.get(f"{optimizer}+{corrector}", 1.0))
 
-    def log_inefficiency(self, optimizer: str, corrector: str, steps: int, parameters: int) -> float:
-        """ln(1 / eta) at these steps and parameters; KeyError for an optimizer or corrector the
-        studies did not train."""
-        return (self.coefficients[f"{optimizer}+{corrector}"] * (steps / 1000) ** -self.steps_exponent
-                * (parameters / 1e6) ** -self.parameters_exponent)
+    def log_inefficiency(self, optimizer: str, corrector: str, steps: int, parameters: int, delay: int = 1) -> float:
+        """ln(1 / eta) at these steps and parameters and a delay of `delay` steps; KeyError for an
+        optimizer or corrector the studies did not train (at that delay, for d > 1)."""
+        key = f"{optimizer}+{corrector}"
+        scale = 1.0 if delay == 1 else delay ** self.delay_exponents[key]
+        return self.coefficients[key] * (steps / 1000) ** -self.steps_exponent * (parameters / 1e6) ** -self.parameters_exponent * scale
 
 
 @cache
@@ -99,18 +108,21 @@ class Estimate:
         return 1 / self.efficiency
 
 
-def estimate(optimizer: str, corrector: str, steps: int, parameters: int, fitted: Law | None = None) -> Estimate:
-    """The delay-1 token efficiency of `optimizer` (adamw, muon) with `corrector` (CORRECTORS)
-    after `steps` optimizer steps of a `parameters`-parameter model: the law's, within its range
-    factor either way; where the steps or parameters lie outside the studies', the pessimistic
-    end also reaches the paper's points (`Law.out_of_sample_factors`). Raises KeyError for an
-    optimizer or corrector the studies did not train."""
+def estimate(optimizer: str, corrector: str, steps: int, parameters: int, fitted: Law | None = None, delay: int = 1) -> Estimate:
+    """The token efficiency of `optimizer` (adamw, muon) with `corrector` (CORRECTORS) after
+    `steps` optimizer steps of a `parameters`-parameter model at a delay of `delay` steps: the
+    law's, within its range factor either way; where the steps, parameters or delay lie outside
+    the studies', the pessimistic end also reaches the paper's points
+    (`Law.out_of_sample_factors`). Raises KeyError for an optimizer or corrector the studies did
+    not train (at that delay)."""
     fitted = fitted or law()
-    y = fitted.log_inefficiency(optimizer, corrector, steps, parameters)
+    y = fitted.log_inefficiency(optimizer, corrector, steps, parameters, delay)
     notes = []
-    for what, value, (low, high) in (("steps", steps, fitted.steps), ("parameters", parameters, fitted.parameters)):
+    ranges = [("steps", steps, fitted.steps, "lie"), ("parameters", parameters, fitted.parameters, "lie")]
+    ranges += [("a delay of", delay, fitted.delays, "lies")] if delay > 1 else []
+    for what, value, (low, high), verb in ranges:
         if not low <= value <= high:
-            notes.append(f"{what} {value:,} lie outside the studies' {low:,}..{high:,} "
+            notes.append(f"{what} {value:,} {verb} outside the studies' {low:,}..{high:,} "
                          f"({max(value / high, low / value):,.0f}x beyond)")
     f = fitted.range_factor(optimizer, corrector)
     pessimistic = max(f, fitted.out_of_sample_factors.get(f"{optimizer}+{corrector}", 1.0)) if notes else f

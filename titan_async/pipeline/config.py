@@ -106,8 +106,9 @@ def pipeline_delay(training: DelayTraining, parallelism: PipelineParallelism, da
 def check_delay(training: DelayTraining, parallelism: PipelineParallelism, data_parallel: int, microbatches: int,
                 moe: bool) -> str | None:
     """Why a delay of several steps (`pipeline_delay` > 1) cannot run with these settings, naming
-    the key; None if it can. d + 1 weight versions of plain parameters are kept so far: no FSDP,
-    replicas or TP around them, and no Sync Start, lagged clipping or experts yet."""
+    the key; None if it can. d + 1 weight versions are kept of plain and FSDP2 parameters (with
+    replicas and TP), predicted on unsharded ones only; no Sync Start, lagged clipping or experts
+    yet."""
     delay = pipeline_delay(training, parallelism, data_parallel, microbatches)
     if delay <= 1:
         return None
@@ -118,10 +119,9 @@ def check_delay(training: DelayTraining, parallelism: PipelineParallelism, data_
                   f"{stages} stages delays each gradient by d = ceil((stages - 1) / microbatches) = {delay} steps:")
         instead = f", or give each step at least {stages - 1} microbatches"
     unsupported = [
-        (data_parallel > 1, f"FSDP or replicas (parallelism.data_parallel_shard_degree x data_parallel_replicate_degree = "
-                            f"{data_parallel})", "set both to 1"),
-        (parallelism.tensor_parallel_degree > 1, f"parallelism.tensor_parallel_degree = {parallelism.tensor_parallel_degree}",
-         "set it to 1"),
+        (data_parallel > 1 and bool(training.weight_prediction),
+         f"training.weight_prediction = {training.weight_prediction} and FSDP or replicas (parallelism.data_parallel_shard_degree "
+         f"x data_parallel_replicate_degree = {data_parallel})", "set weight_prediction to 0 or both degrees to 1"),
         (bool(training.sync_start_steps), f"training.sync_start_steps = {training.sync_start_steps}", "set it to 0"),
         (training.clipping == "lagged_global", "training.clipping = 'lagged_global'", "set it to 'per_stage'"),
         (moe, "model.family = 'qwen3_moe'", "use a dense model"),

@@ -479,16 +479,16 @@ class Comparison:
     """A schedule's result with its throughput ratios (step time of the reference / its own)."""
 
     result: Result
-    vs_1f1b: float
-    vs_best_synchronous: float
+    vs_1f1b: float | None
+    vs_best_synchronous: float | None
 
 
 def compare(ranks: int, microbatches: int, costs: Costs, *, flushes: int = 1, accumulation: int | None = None,
             schedules: tuple[str, ...] = TORCH_SCHEDULES + tuple(STREAMING_SCHEDULES),
             costs_of: Callable[[str], Costs] | None = None) -> tuple[list[Comparison], dict[str, str]]:
     """Every schedule of `schedules` (`simulate`), and name -> why it was skipped (torch could
-    not build it). `costs_of(name)`, when given, replaces `costs` per schedule. Ratios need 1F1B
-    among the results."""
+    not build it). `costs_of(name)`, when given, replaces `costs` per schedule. Ratios are None
+    where their reference (1F1B, any synchronous schedule) is not among the results."""
     results, skipped = [], {}
     for name in schedules:
         try:
@@ -497,7 +497,5 @@ def compare(ranks: int, microbatches: int, costs: Costs, *, flushes: int = 1, ac
         except Exception as err:  # torch refuses some (p, m) in its own words
             skipped[name] = f"{type(err).__name__}: {err}".splitlines()[0]
     baseline = next((r.step_time for r in results if r.name == "1F1B"), None)
-    if baseline is None:
-        raise ValueError(f"1F1B, the reference of every ratio, cannot run here: {skipped.get('1F1B', 'not among the schedules')}")
-    best = min(r.step_time for r in results if r.name not in STREAMING_SCHEDULES)
-    return [Comparison(r, baseline / r.step_time, best / r.step_time) for r in results], skipped
+    best = min((r.step_time for r in results if r.name not in STREAMING_SCHEDULES), default=None)
+    return [Comparison(r, baseline and baseline / r.step_time, best and best / r.step_time) for r in results], skipped

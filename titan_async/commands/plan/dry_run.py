@@ -35,7 +35,9 @@ from titan_async.pipeline.actions import gradient_delay, pipeline_order
 from titan_async.pipeline.emulation import stage_modules, stage_view
 from titan_async.pipeline.load_balance import moe_blocks
 from titan_async.pipeline.schedules import StreamingSchedule
-from titan_async.pipeline.versions import PredictedAccumulation, ShardedTwoVersions, TwoVersions, make_policy, two_versions
+from titan_async.pipeline.versions import (
+    PredictedAccumulation, ShardedDelayedVersions, ShardedTwoVersions, TwoVersions, make_policy, two_versions,
+)
 
 ESTIMATE_ONLY_NOTE = (
     "activations, the optimizer step's scratch, FSDP's unsharded and flat buffers, P2P, stage-input and NCCL buffers "
@@ -156,7 +158,7 @@ def _allocated_state(parts: list[torch.nn.Module], setup: TrainerSetup) -> dict[
     allocated["weights"] = sum(_local_bytes(p) for p in params if p.ndim != 3)
     allocated["expert_weights"] = sum(_local_bytes(p) for p in params if p.ndim == 3)
     for policy in setup.policies:
-        if isinstance(policy, (TwoVersions, ShardedTwoVersions, PredictedAccumulation)):
+        if isinstance(policy, (TwoVersions, ShardedTwoVersions, ShardedDelayedVersions, PredictedAccumulation)):
             allocated["weight_versions"] += sum(_local_bytes(t) for t in policy.copies())
     for optimizer in setup.optimizers.optimizers:
         init_optim_state(optimizer)

@@ -186,10 +186,15 @@ def _simulation_table(plan: dict[str, Any]) -> Table:
         "which adds the stages' imbalance; ratios: tokens/s over theirs; peak GiB: memory per GPU of the busiest pipeline "
         f"rank, NO past {gib(plan['gpu_memory_bytes']):g} GiB)",
         ["schedule", "bubble", "mean", "vs 1F1B", "vs best sync", "tokens/s", "step (s)", "peak GiB", ""],
-        [[s["name"], f"{min(s['bubble']):.1%}", f"{sum(s['bubble']) / len(s['bubble']):.1%}", f"{s['vs_1f1b']:.3f}x",
-          f"{s['vs_best_synchronous']:.3f}x", f"{s['tokens_per_second']:,.0f}", f"{s['step_seconds']:.3f}",
+        [[s["name"], f"{min(s['bubble']):.1%}", f"{sum(s['bubble']) / len(s['bubble']):.1%}", _ratio(s["vs_1f1b"]),
+          _ratio(s["vs_best_synchronous"]), f"{s['tokens_per_second']:,.0f}", f"{s['step_seconds']:.3f}",
           _peak(s, plan["gpu_memory_bytes"]), "<- this config" if s["selected"] else ""] for s in plan["simulation"]["schedules"]],
     )
+
+
+def _ratio(value: float | None) -> str:
+    """A throughput ratio; "-" where its reference schedule did not run."""
+    return "-" if value is None else f"{value:.3f}x"
 
 
 def _simulation_notes(simulation: dict[str, Any]) -> list[str]:
@@ -305,7 +310,7 @@ def _row(row: dict[str, Any] | str, recommended: dict[str, Any] | None) -> list[
     when it is the recommended one; a reason (a kind none of whose layouts fits) in one cell."""
     if isinstance(row, str):
         return ["-", "-", "-", "-", "-", "-", ""]
-    schedule = row["schedule"] if row["schedule"] not in ("FSDP", "HSDP", "DDP", "TP", "one GPU") else "-"
+    schedule = _schedule(row) if row["schedule"] not in ("FSDP", "HSDP", "DDP", "TP", "one GPU") else "-"
     if row["efficiency"] is None:
         efficiency = "unknown"
     elif row["efficiency_low"] == row["efficiency_high"]:
@@ -324,8 +329,13 @@ def _hours(row: dict[str, Any]) -> str:
     return f"{row['hours']:,.1f} ({row['hours_low']:,.1f}-{row['hours_high']:,.1f})"
 
 
+def _schedule(row: dict[str, Any]) -> str:
+    """A row's schedule, with its delay where a streaming one delays by several steps."""
+    return f"{row['schedule']} d={row['delay']}" if row.get("delay", 0) > 1 else row["schedule"]
+
+
 def _named(row: dict[str, Any]) -> str:
-    return f"{row['layout']}, {row['schedule']} ({row['setting']})"
+    return f"{row['layout']}, {_schedule(row)} ({row['setting']})"
 
 
 def _same(row: dict[str, Any] | None, other: dict[str, Any] | None) -> bool:

@@ -4,6 +4,8 @@
   without PP; plain and FSDP2 parameters): batch t runs forward and backward on version
   U_t; once batch b's gradient g_b is complete the stage computes U_{b+2} = U_{b+1} - Opt(g_b)
   in place of U_b. Net effect on every stage: W[k+1] = W[k] - Opt(grad f_k(W[k-1])), W[-1] = W[0].
+  At a delay of d steps (fewer microbatches than stages) `TwoVersions` and
+  `ShardedDelayedVersions` keep d + 1 versions: W[k+1] = W[k] - Opt(grad f_k(W[k-d])).
 - `PredictedVersions` and `ShardedPredictedVersions` (PipeDream-2BW with weight prediction;
   plain and FSDP2 parameters): batch t runs on the versions extrapolated along the last update,
   P_t = U_t + h (U_t - U_{t-1}).
@@ -35,10 +37,11 @@ from titan_async.pipeline.load_balance import versioned_tensors
 from titan_async.pipeline.versions.common import preserved_versions
 from titan_async.pipeline.versions.local_steps import LocalAccumulation, PredictedAccumulation
 from titan_async.pipeline.versions.sharded import ShardedPredictedVersions, ShardedTwoVersions
+from titan_async.pipeline.versions.sharded_delay import ShardedDelayedVersions
 from titan_async.pipeline.versions.stashed import OneStepDelay, PredictedVersions, TwoVersions
 
-__all__ = ["LocalAccumulation", "OneStepDelay", "PredictedAccumulation", "PredictedVersions", "ShardedPredictedVersions",
-           "ShardedTwoVersions", "TwoVersions", "make_policy", "preserved_versions", "two_versions"]
+__all__ = ["LocalAccumulation", "OneStepDelay", "PredictedAccumulation", "PredictedVersions", "ShardedDelayedVersions",
+           "ShardedPredictedVersions", "ShardedTwoVersions", "TwoVersions", "make_policy", "preserved_versions", "two_versions"]
 
 
 def two_versions(module: torch.nn.Module, microbatches: int, stage: FsdpStage | None = None, sync_start: int = 0,
@@ -47,12 +50,14 @@ def two_versions(module: torch.nn.Module, microbatches: int, stage: FsdpStage | 
     `load_balance.versioned_tensors`): sharded when `stage` (its FSDP units) is given;
     synchronous for the first `sync_start` batches; predicted with horizon `prediction` when
     it is not 0 (without Sync Start: the config refuses it); for a gradient delay of `lag`
-    steps, `lag` + 1 versions (plain parameters so far)."""
+    steps, `lag` + 1 versions (sharded: without prediction, Sync Start or versioned buffers)."""
     assert not (prediction and sync_start), "weight prediction runs without Sync Start"
-    assert lag == 1 or not stage, "a delay of several steps keeps versions of plain parameters only"
     tensors = [tensor for _, tensor in versioned_tensors(module)]
     if stage:
         params = list(module.parameters())
+        if lag > 1:
+            assert not (prediction or sync_start or tensors[len(params):]), "the config refuses these at a delay of several steps"
+            return ShardedDelayedVersions(params, microbatches, stage, lag)
         if prediction:
             return ShardedPredictedVersions(params, microbatches, stage, prediction, buffers=tensors[len(params):])
         return ShardedTwoVersions(params, microbatches, stage, buffers=tensors[len(params):], sync_start=sync_start)
