@@ -488,6 +488,7 @@ def write_law(law: Law, path: Path = LAW_FILE) -> None:
     data = {"coefficients": law.coefficients, "steps_exponent": law.steps_exponent,
             "parameters_exponent": law.parameters_exponent, "residual_factor": law.residual_factor,
             "range_factors": law.range_factors, "out_of_sample_factors": law.out_of_sample_factors,
+            "delay_exponents": law.delay_exponents, "delays": list(law.delays),
             "steps": list(law.steps), "parameters": list(law.parameters), "source": law.source}
     path.write_text(json.dumps(data, indent=1) + "\n")
 
@@ -530,16 +531,16 @@ def _points_table(points: list[Point]) -> str:
     return "\n".join(lines)
 
 
-def _longer_delays_section(record: dict[str, dict]) -> str | None:
-    """Gap and token efficiency per delay d (1 and `LONGER_DELAYS`') in the longer-delay cell,
-    per optimizer and corrector, seeds averaged; None before any longer-delay run finished."""
+def longer_delay_gaps(record: dict[str, dict]) -> dict[tuple[str, str, int], tuple[list[float], float | None]]:
+    """(optimizer, corrector, d) -> (the gap per seed, the cell's synchronous slope or None) for
+    d = 1 and `LONGER_DELAYS`' delays in the longer-delay cell; empty before any longer-delay run
+    finished."""
     name, delays, seeds = LONGER_DELAYS
     cell = CELLS[name]
     best = best_of(cell, record)
     if not best or not any(f"{name}/{r.name}" in record for r in longer_delay_runs(cell, best)):
-        return None
-    lines = ["| optimizer | corrector | d | gap per seed | ln(1/eta) | token efficiency eta | tokens to the sync loss |",
-             "|---|---|---:|---|---:|---:|---:|"]
+        return {}
+    found = {}
     for optimizer in ("adamw", "muon"):
         fitted = budget_slope(record, cell, optimizer, best)
         for corrector in ("none", "ef", "predict"):
@@ -551,13 +552,48 @@ def _longer_delays_section(record: dict[str, dict]) -> str | None:
                     synchronous = sync_final(record, cell, optimizer, seed, best)
                     if delayed is not None and synchronous is not None:
                         gaps.append(delayed - synchronous)
-                if not gaps:
-                    continue
-                gap = sum(gaps) / len(gaps)
-                efficiency = "" if fitted is None else f"{math.exp(-gap / fitted[0]):.3f}"
-                tokens = "" if fitted is None else f"{math.exp(gap / fitted[0]):.3f}x"
-                lines.append(f"| {optimizer} | {corrector} | {delay} | {', '.join(f'{g:+.4f}' for g in gaps)} | "
-                             f"{'' if fitted is None else f'{gap / fitted[0]:+.4f}'} | {efficiency} | {tokens} |")
+                if gaps:
+                    found[(optimizer, corrector, delay)] = (gaps, None if fitted is None else fitted[0])
+    return found
+
+
+def delay_exponents(record: dict[str, dict]) -> tuple[dict[str, float], tuple[int, int]]:
+    """The law's delay term: per optimizer+corrector, the mean over the longer delays d of
+    ln(y_d / y_1) / ln d, y the seeds' mean ln(1/eta) (`longer_delay_gaps`; a delay whose y or
+    y_1 is not positive is left out); and the delays that went into them, (1, largest)."""
+    gaps = longer_delay_gaps(record)
+    mean = {key: sum(values) / len(values) / slope for key, (values, slope) in gaps.items() if slope}
+    exponents, largest = {}, 1
+    for optimizer in ("adamw", "muon"):
+        for corrector in ("none", "ef", "predict"):
+            one = mean.get((optimizer, corrector, 1), 0.0)
+            found = [(math.log(mean[(optimizer, corrector, d)] / one) / math.log(d), d) for d in LONGER_DELAYS[1]
+                     if one > 0 and mean.get((optimizer, corrector, d), 0.0) > 0]
+            if found:
+                exponents[f"{optimizer}+{corrector}"] = sum(g for g, _ in found) / len(found)
+                largest = max(largest, *(d for _, d in found))
+    return exponents, (1, largest)
+
+
+def _longer_delays_section(record: dict[str, dict]) -> str | None:
+    """Gap and token efficiency per delay d (1 and `LONGER_DELAYS`') in the longer-delay cell,
+    per optimizer and corrector, seeds averaged, and the law's delay exponents; None before any
+    longer-delay run finished."""
+    gaps = longer_delay_gaps(record)
+    if not gaps:
+        return None
+    lines = ["| optimizer | corrector | d | gap per seed | ln(1/eta) | token efficiency eta | tokens to the sync loss |",
+             "|---|---|---:|---|---:|---:|---:|"]
+    for (optimizer, corrector, delay), (values, slope) in gaps.items():
+        gap = sum(values) / len(values)
+        efficiency = "" if slope is None else f"{math.exp(-gap / slope):.3f}"
+        tokens = "" if slope is None else f"{math.exp(gap / slope):.3f}x"
+        lines.append(f"| {optimizer} | {corrector} | {delay} | {', '.join(f'{g:+.4f}' for g in values)} | "
+                     f"{'' if slope is None else f'{gap / slope:+.4f}'} | {efficiency} | {tokens} |")
+    exponents, _ = delay_exponents(record)
+    if exponents:
+        lines += ["", "The law's delay term, ln(1/eta) at d = d ** exponent x at d = 1 (mean over the delays of "
+                  "ln(y_d / y_1) / ln d): " + ", ".join(f"{key} {value:.2f}" for key, value in exponents.items()) + "."]
     return "\n".join(lines)
 
 
@@ -647,7 +683,9 @@ def write_report(record: dict[str, dict], out: Path = OUT) -> Fit | None:
     points = measure(record, list(CELLS.values()))
     fit = fit_law(points, "docs/results/staleness_scaling") if any(p.mean > 0 for p in points) else None
     if fit is not None:
-        fit = replace(fit, law=replace(fit.law, out_of_sample_factors=out_of_sample_factors(fit.law)))
+        exponents, delays = delay_exponents(record)
+        fit = replace(fit, law=replace(fit.law, out_of_sample_factors=out_of_sample_factors(fit.law),
+                                       delay_exponents=exponents, delays=delays))
         if fit.law.steps[0] < fit.law.steps[1]:
             write_law(fit.law)
     out.mkdir(parents=True, exist_ok=True)
