@@ -197,8 +197,8 @@ def test_2bw_switches_copy_at_most_one_pass_and_backwards_keep_their_version(tmp
 def _delay_worker(rank: int, init_file: str) -> None:
     """Stage 0 of PP 4 with one microbatch per step (d = 3) held gathered, through its own
     action order (drains included): each backward computes with U_t = W[t - 3] and each update
-    steps the latest version, W[k] = W[0] - 0.1 k, written out here; switches copy at most one
-    pass; each version is all-gathered once (its backward finds it in a gathered side buffer,
+    steps the latest version, W[k] = W[0] - 0.1 k, written out here, in the parameters' own
+    storage; switches copy at most one pass; each version is all-gathered once (its backward finds it in a gathered side buffer,
     of which at most d are kept)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
@@ -215,6 +215,7 @@ def _delay_worker(rank: int, init_file: str) -> None:
         model = _sharded_toy(reference)
         policy = make_policy("PipeDream2BW", model, microbatches=1, accumulation=None, hold_gathered=True, lag=delay)
         sharded = list(model.parameters())
+        own = [p.to_local().untyped_storage().data_ptr() for p in sharded]
         gathered = sum(p.numel() * p.element_size() for p in reference.parameters())
         inputs, outputs, since, checked = {}, {}, 0, 0
         for window in range(windows):
@@ -237,6 +238,7 @@ def _delay_worker(rank: int, init_file: str) -> None:
                 assert policy.after_backward(k) == k
                 policy.apply_update(k, lambda: step(sharded))
                 assert len(policy.spares) <= delay
+                assert [p.to_local().untyped_storage().data_ptr() for p in sharded] == own  # stepped in their own storage
             if since == window + 1:
                 policy.expose_latest(window + 1)
                 for param, name in zip(sharded, w0):

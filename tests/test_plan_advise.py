@@ -1,4 +1,4 @@
-"""`plan --simulate --gpu-counts`: each layout's schedules at their fastest setting (activation
+"""`plan --simulate --gpu-counts`: each layout's schedules at their best setting (activation
 checkpointing x microbatch size) that fits --gpu-memory, checked against `plan --simulate` of each
 setting written into the config by hand; recomputation's and TP's costs and a step without a
 pipeline against the model's sizes by hand; the ranking by time to target under laws of our own."""
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -287,3 +288,31 @@ def test_without_a_law_for_the_optimizer_every_layout_is_ranked_by_tokens_per_se
     fastest = max(rows, key=lambda row: row["tokens_per_second"])
     assert (point["recommended"]["layout"], point["recommended"]["schedule"]) == (fastest["layout"], fastest["schedule"])
     assert len(advice["notes"]) == 1 and "ranked by tokens/s" in advice["notes"][0]
+
+
+@pytest.mark.parametrize("exponent", [1.0, None])
+def test_fewer_microbatches_than_stages_cost_the_streaming_schedules_their_delay(exponent):
+    """debug_cpu_pp2 at PP 4 on 4 GPUs with 2 sequences per step: microbatches of 1 make m = 2
+    (d = ceil(3 / 2) = 2), of 2 m = 1 (d = 3); 1F1B is refused there. Under a law whose delay term
+    is d ** 1, PipeDream2BW's rows cost e^(-c d); under one without a delay term they have no
+    efficiency, rank after every row of known time, and a line says why."""
+    c = 0.01
+    run = load_run_config(Path(CONFIG), ["parallelism.pipeline_parallel_degree=4", "training.local_batch_size=2"])
+    fitted = replace(law(c), delay_exponents={} if exponent is None else {"adamw+none": exponent}, delays=(1, 4))
+    advice = advise(run, Cluster(1, 4, 80 * 2**30), [4], advice_simulator(SimulationOptions()), fitted)
+    [point] = advice["points"]
+    config = config_layout(point)
+    assert "1F1B" in config["unfit"] and "train refuses it" in config["unfit"]["1F1B"]
+    two_bw = config["settings"]["PipeDream2BW"]
+    assert two_bw["delay"] == math.ceil(3 / (2 // two_bw["microbatch_size"])) > 1
+    rows = [{"layout": layout["layout"], "schedule": name, **chosen}
+            for layout in point["layouts"] if "reason" not in layout for name, chosen in layout["settings"].items()]
+    if exponent is None:
+        assert two_bw["efficiency"] is None and two_bw["hours"] is None
+        assert point["recommended"]["hours"] is not None
+        assert any("no delay term" in note for note in advice["notes"])
+        return
+    assert two_bw["efficiency"] == pytest.approx(math.exp(-c * two_bw["delay"]), rel=1e-12)
+    known = [row for row in rows if row["hours"] is not None]
+    best = min(known, key=lambda row: row["hours"])
+    assert (point["recommended"]["layout"], point["recommended"]["schedule"]) == (best["layout"], best["schedule"])

@@ -120,7 +120,7 @@ def test_the_study_reads_token_efficiency_from_the_budget_runs_and_its_fit_recov
     cells = [_cell("s", 64, 64), _cell("m", 64, 16), _cell("l", 64, 4), _cell("wide", 96, 32)]
     monkeypatch.setattr(scaling, "CELLS", {c.name: c for c in cells})
     monkeypatch.setattr(scaling, "SEEDS_OF_CELL", {c.name: (0, 1) for c in cells})
-    law = replace(LAW, parameters_exponent=0.4)
+    law = replace(LAW, parameters_exponent=0.4, steps_exponents={"adamw": 0.3, "muon": 0.9})  # each optimizer its own
     record = _synthetic_record(cells, law, slope=0.3, seeds=(0, 1))
     points = scaling.measure(record, cells)
     assert len(points) == 4 * 2 * 3
@@ -128,7 +128,8 @@ def test_the_study_reads_token_efficiency_from_the_budget_runs_and_its_fit_recov
         assert p.slope == pytest.approx(0.3)
         assert p.mean == pytest.approx(law.log_inefficiency(p.optimizer, p.corrector, p.steps, p.cell.regime.parameters))
     fit = scaling.fit_law(points, "synthetic")
-    assert fit.law.steps_exponent == pytest.approx(0.5)
+    assert fit.law.steps_exponents == pytest.approx({"adamw": 0.3, "muon": 0.9})
+    assert fit.law.steps_exponent == pytest.approx(0.6)
     assert fit.law.parameters_exponent == pytest.approx(0.4)
     assert fit.law.coefficients == pytest.approx(law.coefficients)
     assert fit.law.residual_factor == pytest.approx(1.0)

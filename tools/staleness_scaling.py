@@ -423,30 +423,35 @@ class Fit:
 
 
 def fit_law(points: list[Point], source: str) -> Fit:
-    """Least squares of ln(ln(1 / eta)) = ln c[optimizer+corrector] - a ln(steps / 1000) - b
-    ln(parameters / 1e6) over the points with a positive mean ln(1 / eta); an exponent whose
-    regressor takes one value among them is not identified and is fixed at 0. An optimizer and
+    """Least squares of ln(ln(1 / eta)) = ln c[optimizer+corrector] - a[optimizer] ln(steps / 1000)
+    - b ln(parameters / 1e6) over the points with a positive mean ln(1 / eta); an exponent whose
+    regressor takes one value among them is not identified and is fixed at 0 (a[optimizer]: among
+    that optimizer's points; the law's shared steps exponent is their mean). An optimizer and
     corrector none of whose points shows a cost gets c = 0 (efficiency 1)."""
     used = [p for p in points if p.mean > 0]
     excluded = [(p, f"ln(1/eta) = {p.mean:+.4f}: no measurable cost") for p in points if p.mean <= 0]
     groups = sorted({f"{p.optimizer}+{p.corrector}" for p in used})
+    optimizers = sorted({p.optimizer for p in used})
     columns = [[1.0 if f"{p.optimizer}+{p.corrector}" == g else 0.0 for g in groups] for p in used]
-    regressors = {"steps": [-math.log(p.steps / 1000) for p in used],
-                  "parameters": [-math.log(p.cell.regime.parameters / 1e6) for p in used]}
-    identified = [name for name, values in regressors.items() if len({round(v, 9) for v in values}) > 1]
+    regressors = {f"steps {o}": [-math.log(p.steps / 1000) if p.optimizer == o else 0.0 for p in used] for o in optimizers}
+    regressors["parameters"] = [-math.log(p.cell.regime.parameters / 1e6) for p in used]
+    identified = [name for name, values in regressors.items()
+                  if len({round(v, 9) for v, p in zip(values, used) if not name.startswith("steps ") or name == f"steps {p.optimizer}"}) > 1]
     design = np.array([row + [regressors[name][i] for name in identified] for i, row in enumerate(columns)])
     target = np.array([math.log(p.mean) for p in used])
     solution, *_ = np.linalg.lstsq(design, target, rcond=None)
     exponents = {name: 0.0 for name in regressors} | dict(zip(identified, solution[len(groups):]))
+    steps_exponents = {o: float(exponents[f"steps {o}"]) for o in optimizers}
     residuals = list(target - design @ solution)
     total = float(((target - target.mean()) ** 2).sum())
     costless = {f"{p.optimizer}+{p.corrector}" for p, _ in excluded} - set(groups)
     law = Law({**{g: math.exp(c) for g, c in zip(groups, solution)}, **dict.fromkeys(costless, 0.0)},
-              float(exponents["steps"]), float(exponents["parameters"]),
+              sum(steps_exponents.values()) / len(steps_exponents), float(exponents["parameters"]),
               math.exp(max(abs(r) for r in residuals)),
               (min(p.steps for p in used), max(p.steps for p in used)),
               (min(p.cell.regime.parameters for p in used), max(p.cell.regime.parameters for p in used)), source,
-              {g: seed_spread_factor([p for p in used if f"{p.optimizer}+{p.corrector}" == g]) for g in groups})
+              {g: seed_spread_factor([p for p in used if f"{p.optimizer}+{p.corrector}" == g]) for g in groups},
+              steps_exponents=steps_exponents)
     return Fit(law, used, excluded, 1 - float(sum(r * r for r in residuals)) / total if total else math.nan, residuals)
 
 
@@ -488,7 +493,7 @@ def write_law(law: Law, path: Path = LAW_FILE) -> None:
     data = {"coefficients": law.coefficients, "steps_exponent": law.steps_exponent,
             "parameters_exponent": law.parameters_exponent, "residual_factor": law.residual_factor,
             "range_factors": law.range_factors, "out_of_sample_factors": law.out_of_sample_factors,
-            "delay_exponents": law.delay_exponents, "delays": list(law.delays),
+            "steps_exponents": law.steps_exponents, "delay_exponents": law.delay_exponents, "delays": list(law.delays),
             "steps": list(law.steps), "parameters": list(law.parameters), "source": law.source}
     path.write_text(json.dumps(data, indent=1) + "\n")
 
@@ -599,8 +604,9 @@ def _longer_delays_section(record: dict[str, dict]) -> str | None:
 
 def _fit_section(fit: Fit) -> str:
     law = fit.law
-    lines = ["    ln(1/eta) = c[optimizer+corrector] x (steps/1000)^-a x (parameters/1e6)^-b", "",
-             f"- a (steps exponent) = {law.steps_exponent:.3f}, b (parameters exponent) = {law.parameters_exponent:.3f}"
+    lines = ["    ln(1/eta) = c[optimizer+corrector] x (steps/1000)^-a[optimizer] x (parameters/1e6)^-b", "",
+             "- a (steps exponent): " + ", ".join(f"{o} {a:.3f}" for o, a in sorted(law.steps_exponents.items()))
+             + f"; b (parameters exponent) = {law.parameters_exponent:.3f}"
              + (" (b not identified: one model size among the fitted points; fixed at 0)" if law.parameters[0] == law.parameters[1] else "")
              + (" (a not identified: one step count among the fitted points; fixed at 0)" if law.steps[0] == law.steps[1] else ""),
              "- c: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(law.coefficients.items())),

@@ -15,12 +15,13 @@ the count, or whose data ranks do not divide the batch, says why):
 
 With a pipeline every schedule is simulated as `plan --simulate` simulates the config, at each
 setting of `settings` (activation checkpointing mode x microbatch size) that divides the data
-rank's batch, and keeps its best setting (least time to target, `schedule_time`) whose peak
-memory (`schedule_memory`) fits `--gpu-memory` and that `train` would run with it (selective
+rank's batch, and keeps its best setting (least time to target, `rank_key`) whose peak memory
+(`schedule_memory`) fits `--gpu-memory` and that `train` would run with it (selective
 recomputation is refused with the split-backward schedules and PACI; torch's 1F1B and DualPipeV
 refuse fewer microbatches than stages); a schedule with none shows why. With fewer microbatches
 than stages PipeDream2BW delays by d = ceil((p - 1) / m) steps and PACI by up to
-ceil((p - 1) / a) local steps (`schedule_delay`), each costed at that delay. Without a pipeline there is no schedule: one step of FSDP / HSDP (+TP) is simulated
+ceil((p - 1) / a) local steps (`schedule_delay`), each costed at that delay. Without a pipeline
+there is no schedule: one step of FSDP / HSDP (+TP) is simulated
 (`simulate.simulate_data_parallel`), its microbatch (the local batch of one forward) each size of
 `NO_PIPELINE_SIZES` and the whole data rank's batch that divides it, gradient accumulation
 making up the rest. Memory headroom buys speed: a layout that fits without recomputation is

@@ -5,7 +5,7 @@ Token efficiency eta: the synchronous run reaches the delayed run's final loss w
 tokens, so the delayed run needs about 1 / eta times the synchronous run's tokens to reach the
 synchronous run's final loss, and its time to that loss is its step time x 1 / eta. The law:
 
-    ln(1 / eta) = c[optimizer, corrector] x (steps / 1000) ** -steps_exponent
+    ln(1 / eta) = c[optimizer, corrector] x (steps / 1000) ** -steps_exponent[optimizer]
                                           x (parameters / 1e6) ** -parameters_exponent
 
 with its range a factor either way on ln(1 / eta) (`Law.range_factor`: the fit's residuals and the
@@ -65,13 +65,19 @@ class Law:
     (fitted on the studies' d = 2 and 4 runs; a coefficient without one has no estimate at d > 1)."""
     delays: tuple[int, int] = (1, 1)
     """The delays the studies trained."""
+    steps_exponents: dict[str, float] = field(default_factory=dict)
+    """By optimizer, where its points identify one of its own: the steps exponent, in place of
+    `steps_exponent`."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Law:
         return cls(dict(data["coefficients"]), data["steps_exponent"], data["parameters_exponent"], data["residual_factor"],
                    tuple(data["steps"]), tuple(data["parameters"]), data["source"], dict(data.get("range_factors", {})),
                    dict(data.get("out_of_sample_factors", {})), dict(data.get("delay_exponents", {})),
-                   tuple(data.get("delays", (1, 1))))
+                   tuple(data.get("delays", (1, 1))), dict(data.get("steps_exponents", {})))
+
+    def steps_exponent_of(self, optimizer: str) -> float:
+        return self.steps_exponents.get(optimizer, self.steps_exponent)
 
     def range_factor(self, optimizer: str, corrector: str) -> float:
         """The factor either way on ln(1 / eta) that bounds the prediction's range."""
@@ -82,7 +88,8 @@ class Law:
         optimizer or corrector the studies did not train (at that delay, for d > 1)."""
         key = f"{optimizer}+{corrector}"
         scale = 1.0 if delay == 1 else delay ** self.delay_exponents[key]
-        return self.coefficients[key] * (steps / 1000) ** -self.steps_exponent * (parameters / 1e6) ** -self.parameters_exponent * scale
+        return (self.coefficients[key] * (steps / 1000) ** -self.steps_exponent_of(optimizer)
+                * (parameters / 1e6) ** -self.parameters_exponent * scale)
 
 
 @cache

@@ -261,7 +261,7 @@ def advice_text(advice: dict[str, Any]) -> str:
     points = advice["points"]
     summary = Table(
         f"Layouts by GPU count ({advice['tokens_per_step']:,} tokens per step at each, {advice['steps']:,} steps; "
-        f"each layout's schedules at their fastest setting that fits {advice['gpu_memory_bytes'] / 2**30:g} GiB, ac: "
+        f"each layout's schedules at their best setting (least time) that fits {advice['gpu_memory_bytes'] / 2**30:g} GiB, ac: "
         "activation checkpointing, mb: microbatch size (no pipeline: sequences per forward); efficiency: tokens of the "
         "synchronous run per token to reach its final loss; hours: to that loss, steps x tokens per step / (tokens/s x "
         "efficiency), ranges from the law's)",

@@ -57,7 +57,7 @@ def staleness_report(run: RunConfig, parameters: int, tokens_per_step: int, dela
         "correctors": correctors,
         "extrapolated": list(extrapolated),
         "law": {"source": law.source, "steps": list(law.steps), "parameters": list(law.parameters),
-                "steps_exponent": law.steps_exponent, "parameters_exponent": law.parameters_exponent,
+                "steps_exponent": law.steps_exponent_of(optimizer), "parameters_exponent": law.parameters_exponent,
                 "residual_factor": law.residual_factor, "range_factors": law.range_factors},
         "notes": notes,
     }

@@ -29,8 +29,8 @@ class ShardedDelayedVersions(OneStepDelay):
     live version is all-gathered once, at the cost of up to d gathered copies; a version's
     buffers are dropped with it. Before the first update every version is the live weights
     (the side shards are copied from them when first needed; the gathered ones are gathered
-    per version all the same). No Sync Start, prediction or
-    versioned buffers (the config refuses them at d > 1)."""
+    per version all the same). No Sync Start, prediction or versioned buffers (the config
+    refuses them at d > 1)."""
 
     switches_tensors = False
 
