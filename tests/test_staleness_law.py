@@ -14,7 +14,7 @@ import pytest
 from conftest import CONFIGS, REPO, cli_in_process
 from titan_async.cluster import staleness
 from titan_async.cluster.staleness import Law
-from titan_async.commands.plan.staleness import staleness_report
+from titan_async.commands.plan.staleness import staleness_report, staleness_text
 from titan_async.config.run_config import load_run_config
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -217,6 +217,12 @@ def test_plan_staleness_says_where_the_configs_delay_is_not_one_step():
     run = load_run_config(CONFIGS / "10b_2bw_muon.toml")
     notes = staleness_report(run, 10_000_000_000, 4_194_304, delay=3, stages=8, window=3, law=LAW)["notes"]
     assert notes[0].startswith("this config delays each gradient by 3 steps") and "understate" in notes[0]
+    delayed = replace(LAW, delay_exponents={"muon+ef": 2.0}, delays=(1, 4))  # ln(1/eta) x 3^2 at d = 3
+    report = staleness_report(run, 10_000_000_000, 4_194_304, delay=3, stages=8, window=3, law=delayed)
+    at_delay = report["correctors"]["ef"]["at_delay"]
+    assert at_delay["delay"] == 3 and "at_delay" not in report["correctors"]["none"]
+    assert math.log(1 / at_delay["token_efficiency"]) == pytest.approx(9 * math.log(1 / report["correctors"]["ef"]["token_efficiency"]))
+    assert "the 'at d' lines add the law's delay term" in report["notes"][0] and "at d = 3" in staleness_text(report)
     paci = load_run_config(CONFIGS / "10b_paci_adamw.toml", ["parallelism.paci.accumulation=2"])
     notes = staleness_report(paci, 10_000_000_000, 4_194_304, stages=8, window=16, law=LAW)["notes"]
     assert "a microbatch crosses up to 4 updates of its stage" in notes[-1]

@@ -14,8 +14,9 @@ from titan_async.pipeline.schedules import STREAMING_SCHEDULES
 def staleness_report(run: RunConfig, parameters: int, tokens_per_step: int, delay: int = 1, stages: int = 1, window: int = 1,
                      law: staleness.Law | None = None) -> dict[str, Any]:
     """The predicted delay-1 cost of `run` (`parameters` total, `tokens_per_step` global) for each
-    corrector, JSON-ready; the notes say where the config's own delay (`delay` steps, PACI's
-    local steps on `stages` stages with `window` microbatches per step) is not delay 1."""
+    corrector, JSON-ready, and at the config's own delay of `delay` > 1 steps ("at_delay") where
+    the law has a delay term for it; the notes say where the config's delay (`delay` steps,
+    PACI's local steps on `stages` stages with `window` microbatches per step) is not delay 1."""
     optimizer = run.optimizer.name
     law = law or staleness.law()
     steps, tokens = run.training.steps, run.training.steps * tokens_per_step
@@ -31,6 +32,13 @@ def staleness_report(run: RunConfig, parameters: int, tokens_per_step: int, dela
             "gap": staleness.gap(found.efficiency, tokens),
             "gap_range": [staleness.gap(found.high, tokens), staleness.gap(found.low, tokens)],
         }
+        if delay > 1 and f"{optimizer}+{corrector}" in law.delay_exponents:
+            longer = staleness.estimate(optimizer, corrector, steps, parameters, law, delay)
+            correctors[corrector]["at_delay"] = {"delay": delay, "token_efficiency": longer.efficiency,
+                                                 "token_efficiency_range": [longer.low, longer.high],
+                                                 "tokens_factor": longer.tokens_factor, "extrapolated": list(longer.extrapolated)}
+    extrapolated += tuple(dict.fromkeys(note for found in correctors.values() for note in found.get("at_delay", {}).get("extrapolated", ())
+                                        if note not in extrapolated))
     schedule = run.parallelism.pipeline_parallel_schedule
     delayed = schedule in STREAMING_SCHEDULES or run.training.gradient_delay > 0
     notes = [
@@ -42,8 +50,11 @@ def staleness_report(run: RunConfig, parameters: int, tokens_per_step: int, dela
     if schedule.lower() == "paci":
         notes.append(_paci_note(run, stages, window))
     if delay > 1:
-        notes.insert(0, f"this config delays each gradient by {delay} steps (fewer microbatches than stages); the law was "
-                        "fitted at a delay of 1 step, so these figures understate its cost")
+        known = any("at_delay" in found for found in correctors.values())
+        notes.insert(0, f"this config delays each gradient by {delay} steps (fewer microbatches than stages): "
+                        + ("the 'at d' lines add the law's delay term, ln(1/eta) x d ** exponent, fitted on the studies' "
+                           f"delays {law.delays[0]}..{law.delays[1]}" if known else
+                           "the law has no delay term for it, so these delay-1 figures understate its cost"))
     if not delayed:
         notes.insert(0, f"the config's schedule {schedule} trains without delay: the figures are those of a delayed run of it")
     return {
@@ -78,6 +89,11 @@ def staleness_text(report: dict[str, Any]) -> str:
         lines.append(f"  {CORRECTOR_LABELS[corrector]:<28} token efficiency {found['token_efficiency']:.3f} ({low:.3f}..{high:.3f}); "
                      f"{_factor(found['tokens_factor'])}x the tokens to the synchronous loss ({_factor(factor_low)}..{_factor(factor_high)}); "
                      f"gap {found['gap']:+.4f} ({gap_low:+.4f}..{_gap(gap_high)}){mark}")
+        if "at_delay" in found:
+            longer = found["at_delay"]
+            low, high = longer["token_efficiency_range"]
+            lines.append(f"  {'  at d = ' + str(longer['delay']):<28} token efficiency {longer['token_efficiency']:.3f} "
+                         f"({low:.3f}..{high:.3f}); {_factor(longer['tokens_factor'])}x the tokens to the synchronous loss")
     law = report["law"]
     lines.append(f"  law: {law['source']}, fitted on steps {law['steps'][0]:,}..{law['steps'][1]:,} and parameters "
                  f"{law['parameters'][0]:,}..{law['parameters'][1]:,}")
