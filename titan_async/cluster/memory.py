@@ -74,7 +74,7 @@ from titan_async.optim.full_matrix import assign_owners
 from titan_async.optim.newton_schulz import flops, gram_form
 from titan_async.pipeline.actions import gradient_delay
 from titan_async.pipeline.in_flight import rank_chunks
-from titan_async.pipeline.split import check_microbatches
+from titan_async.pipeline.split import check_microbatches, schedule_stages
 
 STATE_COMPONENTS = ("weights", "expert_weights", "weight_versions", "gradients", "optimizer", "error_feedback")
 TRANSPORT_COMPONENTS = ("p2p_buffers", "stage_inputs", "nccl_buffers")
@@ -642,8 +642,9 @@ def window_microbatches(schedule: str, microbatches: int, accumulation_steps: in
 def compare_schedules(stages: int, microbatches: int, accumulation_steps: int = 1, ranks: int = 0) -> list[dict[str, float | str]]:
     """Bubble (of each flush or window, `window_microbatches`) and throughput relative to 1F1B's
     formula, (1 - bubble) / (1 - bubble_1F1B), per schedule, with a note where `train` would
-    refuse it on `ranks` pipeline ranks (torch's conditions, `split.check_microbatches`; default:
-    one stage per rank) or where PipeDream2BW's gradients are delayed by more than one step
+    refuse it on `ranks` pipeline ranks (torch's conditions, `split.check_microbatches`, on the
+    schedule's default stages, `split.schedule_stages`; `ranks` default: `stages`) or where
+    PipeDream2BW's gradients are delayed by more than one step
     (fewer microbatches than stages: d = ceil((p - 1) / m), whose staleness cost the bubble
     leaves out)."""
     baseline = 1 - bubble("1F1B", stages, microbatches)
@@ -656,7 +657,7 @@ def compare_schedules(stages: int, microbatches: int, accumulation_steps: int = 
             note = f"gradient delay {delay} steps" if delay > 1 else ""
         else:
             try:
-                check_microbatches(name, mb, stages, ranks or stages)
+                check_microbatches(name, mb, schedule_stages(name, ranks or stages), ranks or stages)
             except ValueError:
                 note = f"train refuses it: {mb} microbatches per flush for {stages} stages"
         rows.append({"name": name, "window": mb, "bubble": bubble(name, stages, mb),

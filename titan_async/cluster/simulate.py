@@ -57,7 +57,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from titan_async.cluster.estimate import Cluster, Layout, all_to_all_bytes
 from titan_async.cluster.memory import (
@@ -76,7 +75,7 @@ from titan_async.optim.routing import route_parameters
 from titan_async.pipeline.config import accumulation_steps, check_delay, microbatches
 from titan_async.pipeline.schedules import SCHEDULE_NAMES, STREAMING_SCHEDULES, streaming_schedule
 from titan_async.pipeline.simulation import Collectives, Costs, Link, compare, costs_from_trace, one_f_one_b, simulate_synchronous
-from titan_async.pipeline.split import check_microbatches
+from titan_async.pipeline.split import check_microbatches, schedule_stages
 from titan_async.pipeline.trace import draw_gantts
 
 SPLIT_COST = {False: 1.03, True: 2.14}
@@ -410,9 +409,8 @@ def refused_by_train(run: RunConfig, layout: Layout) -> dict[str, str]:
     refused = {"PipeDream2BW": f"train refuses it: {problem}"} if problem else {}
     for name in SCHEDULE_NAMES:
         if name not in STREAMING_SCHEDULES:
-            stages = layout.pp if issubclass(get_schedule_class(name), PipelineScheduleSingle) else 2 * layout.pp
             try:
-                check_microbatches(name, layout.microbatches, stages, layout.pp)
+                check_microbatches(name, layout.microbatches, schedule_stages(name, layout.pp), layout.pp)
             except ValueError as err:
                 refused[name] = f"train refuses it: {err}"
     return refused

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torchtitan.distributed.pipeline_parallel import (
     _generate_llm_fqn_per_model_part,
     _get_pipeline_metadata,
@@ -65,6 +66,13 @@ def _check_stage_count(schedule: str, given: int, pp: int, stages: int) -> None:
     need = f"{stages} ({stages // pp} per rank)" if stages == pp or v_shaped else f"a multiple of {pp}, at least {2 * pp}"
     raise ValueError(f"parallelism.module_fqns_per_model_part has {given} stages; {schedule} on {pp} pipeline ranks "
                      f"needs {need}")
+
+
+def schedule_stages(schedule: str, pp: int) -> int:
+    """The stages torch's schedule `schedule` runs on `pp` ranks by default: one per rank for a
+    single-stage schedule, two per rank for the others (interleaved, V-shaped)."""
+    single = issubclass(get_schedule_class(schedule), PipelineScheduleSingle)
+    return pp if single else 2 * pp
 
 
 def check_microbatches(schedule: str, microbatches: int, stages: int, pp: int) -> None:
