@@ -271,8 +271,9 @@ def test_the_longer_delays_train_first_and_their_table_reads_each_delays_gap(mon
         gap = 0.01 * run.arm.seed + 0.03 * run.arm.delay  # seed 1's synchronous run is 0.01 higher
         record[run.key] = scaling.entry_of(run, run.settings({}), [(full.steps, sync + gap)], 1.0, "synthetic")
     table = scaling._longer_delays_section(record)
-    assert "| muon | none | 4 | +0.1200, +0.1200 | +0.4000 | 0.670 | 1.492x |" in table
-    assert "| adamw | predict | 2 | +0.0600, +0.0600 |" in table
+    assert "| muon | none | 4 | +0.1200, +0.1200 | +0.4000 | 0.670 | 1.492x |  |" in table
+    assert "| adamw | predict | 2 | +0.0600, +0.0600 | +0.2000 | 0.819 | 1.221x | 0% |" in table  # as long a gap as the plain delay's
+    assert next(line for line in table.splitlines() if line.startswith("| muon | ef | 1 |")).endswith("| 75% |")  # 1 - 0.05 / 0.2
     exponents, delays = scaling.delay_exponents(record)
     y1 = LAW.log_inefficiency("muon", "none", full.steps, cell.regime.parameters)  # y_2 = 0.06 / 0.3, y_4 = 0.12 / 0.3
     assert exponents["muon+none"] == pytest.approx((math.log(0.2 / y1) / math.log(2) + math.log(0.4 / y1) / math.log(4)) / 2)

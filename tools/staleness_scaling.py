@@ -582,19 +582,23 @@ def delay_exponents(record: dict[str, dict]) -> tuple[dict[str, float], tuple[in
 
 def _longer_delays_section(record: dict[str, dict]) -> str | None:
     """Gap and token efficiency per delay d (1 and `LONGER_DELAYS`') in the longer-delay cell,
-    per optimizer and corrector, seeds averaged, and the law's delay exponents; None before any
+    per optimizer and corrector, seeds averaged, with the share of the plain delay's gap each
+    corrector recovers at that delay, and the law's delay exponents; None before any
     longer-delay run finished."""
     gaps = longer_delay_gaps(record)
     if not gaps:
         return None
-    lines = ["| optimizer | corrector | d | gap per seed | ln(1/eta) | token efficiency eta | tokens to the sync loss |",
-             "|---|---|---:|---|---:|---:|---:|"]
+    lines = ["| optimizer | corrector | d | gap per seed | ln(1/eta) | token efficiency eta | tokens to the sync loss | "
+             "recovered |", "|---|---|---:|---|---:|---:|---:|---:|"]
+    mean = {key: sum(values) / len(values) for key, (values, _) in gaps.items()}
     for (optimizer, corrector, delay), (values, slope) in gaps.items():
-        gap = sum(values) / len(values)
+        gap = mean[(optimizer, corrector, delay)]
         efficiency = "" if slope is None else f"{math.exp(-gap / slope):.3f}"
         tokens = "" if slope is None else f"{math.exp(gap / slope):.3f}x"
+        plain = mean.get((optimizer, "none", delay))
+        recovered = f"{1 - gap / plain:.0%}" if corrector != "none" and plain and plain > 0 else ""
         lines.append(f"| {optimizer} | {corrector} | {delay} | {', '.join(f'{g:+.4f}' for g in values)} | "
-                     f"{'' if slope is None else f'{gap / slope:+.4f}'} | {efficiency} | {tokens} |")
+                     f"{'' if slope is None else f'{gap / slope:+.4f}'} | {efficiency} | {tokens} | {recovered} |")
     exponents, _ = delay_exponents(record)
     if exponents:
         lines += ["", "The law's delay term, ln(1/eta) at d = d ** exponent x at d = 1 (mean over the delays of "
@@ -678,6 +682,39 @@ def plot(record: dict[str, dict], points: list[Point], fit: Fit | None, path: Pa
     plt.close(figure)
 
 
+def plot_longer_delays(record: dict[str, dict], path: Path) -> None:
+    """Validation curves of the longer-delay cell at seed 0, one panel per optimizer: the
+    synchronous run, and each delay d plain (solid) and with error feedback (dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    name, delays, _ = LONGER_DELAYS
+    cell = CELLS[name]
+    best = best_of(cell, record)
+    figure, panels = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for axes, optimizer in zip(panels, ("adamw", "muon")):
+        sync = Arm(optimizer, 0, False).name  # the seed-0 synchronous run: its own arm, or the sweep's at the best lr
+        if f"{name}/{sync}" not in record and optimizer in best:
+            sync = Run(cell, Arm(optimizer, 0, False), best[optimizer], sweep=True).name
+        runs = [(sync, "sync", "k", "-")]
+        runs += [(Arm(optimizer, d, ef).name, f"d = {d}{' + EF' if ef else ''}", f"C{i}", "--" if ef else "-")
+                 for i, d in enumerate((1, *delays)) for ef in (False, True)]
+        for run, label, color, style in runs:
+            entry = record.get(f"{name}/{run}")
+            if entry and len(entry["validation"]) > 1:
+                axes.plot(*zip(*entry["validation"][1:]), style, color=color, lw=1, label=label)
+        axes.set_title(f"{name}, {optimizer}", fontsize=9)
+        axes.set_xlabel("step")
+        axes.legend(fontsize=7)
+    panels[0].set_ylabel("validation loss")
+    panels[0].set_ylim(top=4.0)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 ANALYSIS_HEADING = "## Analysis"
 
 
@@ -725,12 +762,15 @@ def write_report(record: dict[str, dict], out: Path = OUT) -> Fit | None:
                   _out_of_sample_section(fit.law), ""]
     longer = _longer_delays_section(record)
     if longer:
+        plot_longer_delays(record, out / "longer_delays.png")
         parts += ["## Longer delays", "",
                   f"PipeDream2BW with fewer microbatches than stages delays each gradient by d = ceil((p - 1) / m) steps. "
                   f"The {LONGER_DELAYS[0]} cell trained `training.gradient_delay = d` (the same rule on one process), plain, "
                   "with error feedback (correction c d (u_t - u_{t-1}), c = 1) and with weight prediction (horizon h d, h = 1), "
                   "at the cell's lrs; ln(1/eta) on the cell's synchronous slope. "
-                  "marin's published Muon figures for comparison: delay 2 +0.14, +0.066 with prediction.", "", longer, ""]
+                  "marin's published Muon figures for comparison: delay 2 +0.14, +0.066 with prediction. Recovered: the share "
+                  "of the plain delay's ln(1/eta) the corrector removes at the same d.", "", longer, "",
+                  "![validation curves at each delay, seed 0](longer_delays.png)", ""]
     parts += ["## How it was run", "", "    .venv/bin/python tools/staleness_scaling.py --parallel 2", "",
               "- each run: `titan-async train --config debug_cpu` with the cell's settings (`Cell.settings` and "
               "`staleness_study.Settings.overrides`); its resolved config is configs/CELL/RUN.toml (the b16 cell's "
