@@ -14,7 +14,8 @@ to its peak ("total") is said under optimizer_step:
 - weight_versions: PipeDream2BW (and gradient_delay = 1) keeps a second weight version:
   one more copy of the local weights, experts included (d more for a delay of d steps,
   fewer microbatches than stages or gradient_delay = d; for plain parameters the other
-  buffer, under FSDP2 a side shard beside FSDP's own), and of the MoE blocks' expert biases
+  buffers, under FSDP2 side shards beside FSDP's own, and on a pipeline stage as many gathered
+  copies, `gathered_versions`), and of the MoE blocks' expert biases
   (float32, whole on every rank: a batch routes with the biases of its own version).
 - gradients: the sharded gradient, parameter dtype. Under FSDP it exists only from the
   reduce-scatter to the optimizer's zero_grad: in forward and backward the unsharded

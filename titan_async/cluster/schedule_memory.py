@@ -2,8 +2,8 @@
 its cluster: the config with only `parallelism.pipeline_parallel_schedule` changed, split into
 stages as torchtitan would split it for that schedule (2 stages per rank for the interleaved and
 V-shaped ones), estimated as `plan` estimates the config's own (`estimate.estimate_model`):
-weights, gradients, optimizer and error-feedback state, 2BW's second weight version where the
-schedule keeps one, FSDP's buffers, the transport's, the activations of the chunks in flight
+weights, gradients, optimizer and error-feedback state, 2BW's other weight versions where the
+schedule keeps them (d at a delay of d steps), FSDP's buffers, the transport's, the activations of the chunks in flight
 (`pipeline.in_flight` for torch's schedules) and the optimizer step's scratch."""
 
 from __future__ import annotations

@@ -427,7 +427,7 @@ def _memory_of(memory: dict[str, dict[str, Any] | str] | None, name: str) -> dic
 def memory_assumption(cluster: Cluster) -> str:
     return (f"memory: each schedule's peak per GPU on its busiest pipeline rank, as plan estimates the config's own "
             f"(the config with only its schedule changed, split into stages as torchtitan splits it for that schedule; "
-            f"2BW's second weight version where it keeps one; chunks in flight from torch's action lists), "
+            f"2BW's other weight versions where it keeps them; chunks in flight from torch's action lists), "
             f"against --gpu-memory {cluster.gpu_memory / 2**30:g} GiB")
 
 
