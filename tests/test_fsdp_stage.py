@@ -237,7 +237,7 @@ def _delay_worker(rank: int, init_file: str) -> None:
                 checked += 1
                 assert policy.after_backward(k) == k
                 policy.apply_update(k, lambda: step(sharded))
-                assert len(policy.spares) <= delay
+                assert len(policy.spares) + len(policy.free) <= delay
                 assert [p.to_local().untyped_storage().data_ptr() for p in sharded] == own  # stepped in their own storage
             if since == window + 1:
                 policy.expose_latest(window + 1)

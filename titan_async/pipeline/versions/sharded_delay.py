@@ -26,11 +26,11 @@ class ShardedDelayedVersions(OneStepDelay):
     views of the gathered buffer of its version, which its backward still reads; a switch
     therefore moves a live gathered version into a gathered side buffer (`spares`, by version)
     before FSDP gathers another, and moves it back when that version is needed again. So each
-    live version is all-gathered once, at the cost of up to d gathered copies; a version's
-    buffers are dropped with it. Before the first update every version is the live weights
-    (the side shards are copied from them when first needed; the gathered ones are gathered
-    per version all the same). No Sync Start, prediction or versioned buffers (the config
-    refuses them at d > 1)."""
+    live version is all-gathered once, at the cost of up to d gathered copies; a dropped
+    version's gathered buffer is reused for the next park, its shard for the next version.
+    Before the first update every version is the live weights (the side shards are copied from
+    them when first needed; the gathered ones are gathered per version all the same). No Sync
+    Start, prediction or versioned buffers (the config refuses them at d > 1)."""
 
     switches_tensors = False
 
@@ -40,6 +40,8 @@ class ShardedDelayedVersions(OneStepDelay):
         self.sides: dict[int, list[torch.Tensor]] = {}
         self.held = lag  # U_d = W[0], the latest version, in the parameters' own storage
         self.spares: dict[int, list[torch.Tensor]] = {}
+        self.free: list[list[torch.Tensor]] = []
+        """Gathered side buffers of dropped versions, reused before allocating another."""
         self.gathered_version: int | None = None
 
     def _latest(self) -> int:
@@ -75,7 +77,8 @@ class ShardedDelayedVersions(OneStepDelay):
         frees FSDP's storage, not the weights its microbatches' forwards saved."""
         if self._alive(self.gathered_version):
             holders = self.stage.gathered_storage()
-            self.spares[self.gathered_version] = [exchange_storage(h, spare_storage(h)) for h in holders]
+            empty = self.free.pop() if self.free else [spare_storage(h) for h in holders]
+            self.spares[self.gathered_version] = [exchange_storage(h, e) for h, e in zip(holders, empty)]
 
     def activate(self, batch: int) -> None:
         """Make the weights FSDP computes with hold version `batch`."""
@@ -114,7 +117,8 @@ class ShardedDelayedVersions(OneStepDelay):
         if not self.stage.gathered:
             self.stage.reshard()
             self.gathered_version = self.held
-        self.spares = {v: s for v, s in self.spares.items() if self._alive(v)}
+        for version in [v for v in self.spares if not self._alive(v)]:
+            self.free.append(self.spares.pop(version))  # its batches are done: reused by the next park
 
     def copies(self) -> list[torch.Tensor]:
         """The side shards (made now if still pending)."""
@@ -125,8 +129,8 @@ class ShardedDelayedVersions(OneStepDelay):
         return sum(t.untyped_storage().nbytes() for side in self.sides.values() for t in side)
 
     def gathered_copy_bytes(self) -> int:
-        """Bytes of the gathered side buffers."""
-        return sum(t.untyped_storage().nbytes() for side in self.spares.values() for t in side)
+        """Bytes of the gathered side buffers, those kept for reuse included."""
+        return sum(t.untyped_storage().nbytes() for side in [*self.spares.values(), *self.free] for t in side)
 
     def state_dict(self, names: list[str], step: int) -> dict[str, torch.Tensor]:
         """As `TwoVersions.state_dict`, sharded like the parameters: after a drain at `step` the
@@ -142,4 +146,4 @@ class ShardedDelayedVersions(OneStepDelay):
         self.sides = {step + ahead: self._copies([state[TwoVersions._key(ahead, name)] for name in names])
                       for ahead in range(self.lag)}
         self.held = self._latest()
-        self.spares, self.gathered_version = {}, None
+        self.spares, self.free, self.gathered_version = {}, [], None
