@@ -101,6 +101,8 @@ class Settings:
     decay_type: str
     min_lr_factor: float
     accumulation: int | None
+    delay_rescheduling_steps: int = 0
+    """K of the delay rescheduling (`StageOptimizer`'s `lr_delay`); 0: off."""
     optimizer: str = "adamw"
     adamw_lr: float = 0.0
     """AdamW's peak lr (with Muon, optimizer.muon.adamw_lr; else optimizer.lr)."""
@@ -168,7 +170,7 @@ def read_settings(run_dir: Path, vocab_size: int) -> Settings:
         microbatch_size=p["pipeline_parallel_microbatch_size"], max_norm=t["max_norm"],
         lr=o["lr"], betas=(o["beta1"], o["beta2"]), eps=o["eps"], weight_decay=o["weight_decay"],
         warmup_steps=s["warmup_steps"], decay_ratio=s["decay_ratio"], decay_type=s["decay_type"],
-        min_lr_factor=s["min_lr_factor"], accumulation=p.get("paci", {}).get("accumulation"),
+        min_lr_factor=s["min_lr_factor"], delay_rescheduling_steps=s.get("delay_rescheduling_steps", 0), accumulation=p.get("paci", {}).get("accumulation"),
         optimizer=o["name"], adamw_lr=muon["adamw_lr"] if o["name"] == "muon" else o["lr"], momentum=muon["momentum"],
         nesterov=muon["nesterov"], ns_steps=muon["ns_steps"], error_feedback=ef["coefficient"] if ef["enabled"] else None,
         family=m["family"], num_experts=m.get("num_experts", 0), top_k=m.get("top_k", 0), moe_hidden_dim=m.get("moe_hidden_dim", 0),
@@ -428,11 +430,12 @@ class StageOptimizer:
     stacked experts on its own), each at its peak lr times the factor of scheduler step
     `lr_step`, and error feedback when configured: w -= u_t + c d (u_t - u_{t-1}) from the second
     update on, u_t the optimizer's own update, d = `ef_delay` (the gradients' delay in steps). `whole_qkv` (a control) orthogonalises the fused
-    wqkv as one matrix instead of its Q, K and V blocks."""
+    wqkv as one matrix instead of its Q, K and V blocks. With `settings.delay_rescheduling_steps`
+    K > 0 every lr of scheduler step k is also divided by `lr_delay` ** (1 - min(k / K, 1))."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], settings: Settings, head_dim: int = 0,
-                 error_feedback: bool = True, whole_qkv: bool = False, ef_delay: int = 1) -> None:
-        self.settings, self.head_dim, self.whole_qkv = settings, head_dim, whole_qkv
+                 error_feedback: bool = True, whole_qkv: bool = False, ef_delay: int = 1, lr_delay: int = 1) -> None:
+        self.settings, self.head_dim, self.whole_qkv, self.lr_delay = settings, head_dim, whole_qkv, lr_delay
         self.params = [p for _, p in named]
         self.ef = settings.error_feedback * ef_delay if error_feedback and settings.error_feedback is not None else None
         muon = settings.optimizer == "muon"
@@ -463,6 +466,8 @@ class StageOptimizer:
             norm = self.lagged.clip(self.params, self.updates + 1)
         self.norms.append(float(norm))
         factor = lr_factor(settings, lr_step)
+        if settings.delay_rescheduling_steps:
+            factor /= self.lr_delay ** (1 - min(lr_step / settings.delay_rescheduling_steps, 1))
         updates = []  # (param, u, already applied)
         for name, param in self.matrices:
             grad, buffer, mu = param.grad, self.momentum[name], settings.momentum
@@ -621,6 +626,7 @@ def two_bw(settings: Settings, batches: list[list[Microbatch]], variant: str = "
     W[k-1] + h (W[k-1] - W[k-2]) instead of W[k-1], with W[-2] = W[-1] = W[0]."""
     assert delay == 1 or not sync_start
     optimizer_options.setdefault("ef_delay", delay)
+    optimizer_options.setdefault("lr_delay", delay)
     model = build_model(settings)  # holds W[k]
     previous = copy.deepcopy(model)  # holds W[k-1] (W[k-d])
     past = []  # W[0..k]

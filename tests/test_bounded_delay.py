@@ -224,6 +224,33 @@ def test_gradient_delay_of_two_steps_equals_the_independent_reference(tmp_path, 
         assert_different(differences(run, weights, ref.two_bw(settings, batches, **control), lambda step: step))
 
 
+def test_delay_rescheduling_divides_the_lr_by_the_delay_fading_out_across_a_resume(tmp_path):
+    """`lr_scheduler.delay_rescheduling_steps = K` at `training.gradient_delay = 2`: each lr of
+    scheduler step k divided by 2 ** (1 - min(k / K, 1)), the ramp crossing a resume at step 3,
+    against `ref.two_bw(delay=2)` with the factor written out; controls: no rescheduling, and the
+    ramp divided by the delay 3."""
+    run = pipelined(tmp_path / "run", "training.gradient_delay=2", "parallelism.data_parallel_shard_degree=1",
+                    f"lr_scheduler.delay_rescheduling_steps={STEPS - 1}", f"lr_scheduler.total_steps={STEPS}", "training.steps=3",
+                    config="debug_cpu.toml", nproc=1)
+    run_cli("resume", "--run-dir", str(run), *sets(f"training.steps={STEPS}"), env={"TITAN_ASYNC_BATCH_LOG": str(run / "batches")})
+    settings, batches, weights = reference_inputs(run)
+    assert settings.delay_rescheduling_steps == STEPS - 1
+    assert_equal(differences(run, weights, ref.two_bw(settings, batches, delay=2), lambda step: step))
+    for control in ({"lr_delay": 1}, {"lr_delay": 3}):
+        assert_different(differences(run, weights, ref.two_bw(settings, batches, delay=2, **control), lambda step: step))
+
+
+@pytest.mark.parametrize("assignments, message", [
+    (("parallelism.pipeline_parallel_schedule=1F1B",), "'1F1B' has none: set it to 0, or use PipeDream2BW"),
+    (("parallelism.pipeline_parallel_schedule=PACI", "parallelism.emulated_stages=4"), "PACI's delays differ by stage: set it to 0"),
+])
+def test_delay_rescheduling_refuses_schedules_without_one_shared_delay(capsys, tmp_path, assignments, message):
+    code, _, err = cli_in_process(capsys, "train", "--run-dir", str(tmp_path / "run"), *sets(
+        "lr_scheduler.delay_rescheduling_steps=10", *assignments))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "lr_scheduler.delay_rescheduling_steps = 10" in err and message in err
+
+
 def test_resume_refuses_a_change_of_the_delay(tmp_path, capsys):
     """Fewer microbatches on resume would need another number of weight versions than the
     checkpoint holds: refused in one line, naming both."""

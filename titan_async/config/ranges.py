@@ -109,6 +109,7 @@ RANGES: dict[str, Range] = {
     "lr_scheduler.total_steps": COUNT,
     "lr_scheduler.decay_ratio": fraction(),
     "lr_scheduler.min_lr_factor": fraction(),
+    "lr_scheduler.delay_rescheduling_steps": at_least(0),
     "checkpoint.interval": COUNT,
     "checkpoint.keep_latest_k": at_least(0),  # 0: keep every checkpoint
     "checkpoint.load_step": at_least(0, (-1, "the latest intact one")),

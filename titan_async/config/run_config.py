@@ -22,7 +22,7 @@ from titan_async.optim.lr_schedule import RunLRSchedulers
 from titan_async.optim.section import OptimizerSection
 from titan_async.parallel.expert import expert_parallel_problem
 from titan_async.pipeline.config import (
-    DelayTraining, PipelineParallelism, check_activation_checkpoint, check_delay, check_pipeline, microbatches,
+    DelayTraining, PipelineParallelism, check_activation_checkpoint, check_delay, check_delay_rescheduling, check_pipeline, microbatches,
 )
 from titan_async.pipeline.schedules import streaming_schedule
 from titan_async.train.benchmarks import EvalSection
@@ -152,6 +152,7 @@ class RunConfig:
         self._check_mixture_of_experts(world_size)
         problem = check_pipeline(t, p)
         problem = problem or check_delay(t, p, dp, self.microbatches(), self.model.family == "qwen3_moe")
+        problem = problem or check_delay_rescheduling(self.lr_scheduler.delay_rescheduling_steps, t, p)
         problem = problem or check_activation_checkpoint(p, self.activation_checkpoint.mode)
         problem = problem or self.eval.check(self.checkpoint, self.model)
         if problem:

@@ -132,6 +132,24 @@ def check_delay(training: DelayTraining, parallelism: PipelineParallelism, data_
     return None
 
 
+def check_delay_rescheduling(steps: int, training: DelayTraining, parallelism: PipelineParallelism) -> str | None:
+    """Why `lr_scheduler.delay_rescheduling_steps` cannot apply, naming the keys; None if it can:
+    it divides the lr by the one delay every stage shares (2BW's rule), which PACI's per-stage
+    delays and the synchronous schedules do not have."""
+    if not steps or training.gradient_delay:
+        return None
+    name = parallelism.pipeline_parallel_schedule
+    schedule = streaming_schedule(name)
+    if schedule is SchedulePipeDream2BW:
+        return None
+    key = f"lr_scheduler.delay_rescheduling_steps = {steps}"
+    if schedule is None:
+        return (f"{key} divides the lr by a gradient delay; parallelism.pipeline_parallel_schedule = {name!r} has none: "
+                "set it to 0, or use PipeDream2BW (or training.gradient_delay)")
+    return (f"{key} divides the lr by the delay every stage shares (PipeDream2BW, training.gradient_delay); "
+            f"{name}'s delays differ by stage: set it to 0")
+
+
 def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism) -> str | None:
     """Why this schedule/delay combination cannot run, naming the keys; None if it can (a delay
     of several steps: `check_delay`)."""
