@@ -56,8 +56,12 @@ DELAYED = (Arm("adamw", 1, False), Arm("muon", 1, False), Arm("adamw", 1, True),
 LONGER_DELAYS = ("b16", (2, 4), (0, 1))
 """(cell, delays, seeds) of the longer-delay arms: PipeDream2BW with fewer microbatches than stages
 delays by d = ceil((p - 1) / m) steps (`training.gradient_delay = d`), plain, with error feedback
-and with weight prediction (both extrapolating by d), before the runs still pending (the
-advisor's columns with fewer microbatches than stages wait on them)."""
+and with weight prediction (both extrapolating by d), and with the lr rescheduled by d (over
+the first quarter of the steps), before the runs still pending (the advisor's columns with
+fewer microbatches than stages wait on them)."""
+LONGER_DELAY_CORRECTORS = ("none", "ef", "predict", "reschedule")
+"""The correctors of the longer-delay table; the law's delay term covers the first three (the
+rescheduling is the plain delay at d = 1)."""
 
 
 @dataclass(frozen=True)
@@ -232,7 +236,7 @@ def longer_delay_runs(cell: Cell, best: dict[str, float]) -> list[Run]:
     if cell.name != name:
         return []
     return [Run(cell, Arm(o, d, ef, seed, corrector), best[o])
-            for seed in seeds for d in delays for ef, corrector in ((False, ""), (True, ""), (False, "predict"))
+            for seed in seeds for d in delays for ef, corrector in ((False, ""), (True, ""), (False, "predict"), (False, "reschedule"))
             for o in ("adamw", "muon")]
 
 
@@ -351,8 +355,9 @@ class Point:
         return math.exp(-self.mean)
 
 
-def corrector_arm(optimizer: str, corrector: str, seed: int = 0) -> Arm:
-    return Arm(optimizer, 1, corrector == "ef", seed, "predict" if corrector == "predict" else "")
+def corrector_arm(optimizer: str, corrector: str, seed: int = 0, delay: int = 1) -> Arm:
+    """The delayed arm of a corrector named as the tables name it (none, ef, predict, reschedule)."""
+    return Arm(optimizer, delay, corrector == "ef", seed, corrector if corrector in ("predict", "reschedule") else "")
 
 
 def final(record: dict[str, dict], cell: Cell, name: str) -> float | None:
@@ -548,12 +553,11 @@ def longer_delay_gaps(record: dict[str, dict]) -> dict[tuple[str, str, int], tup
     found = {}
     for optimizer in ("adamw", "muon"):
         fitted = budget_slope(record, cell, optimizer, best)
-        for corrector in ("none", "ef", "predict"):
+        for corrector in LONGER_DELAY_CORRECTORS:
             for delay in (1, *delays):
                 gaps = []
                 for seed in seeds:
-                    arm = Arm(optimizer, delay, corrector == "ef", seed, "predict" if corrector == "predict" else "")
-                    delayed = final(record, cell, arm.name)
+                    delayed = final(record, cell, corrector_arm(optimizer, corrector, seed, delay).name)
                     synchronous = sync_final(record, cell, optimizer, seed, best)
                     if delayed is not None and synchronous is not None:
                         gaps.append(delayed - synchronous)

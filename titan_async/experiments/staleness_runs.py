@@ -20,12 +20,15 @@ MOE = ("model.family=qwen3_moe", "model.top_k=2", "model.load_balance_coeff=0.00
 """--moe: the qwen3 mixture-of-experts blocks (top-2, expert biases moved at each step); the
 number of experts, their hidden size and precision are `Settings.experts`, `.moe_hidden_dim` and
 `.expert_precision`."""
-CORRECTORS = ("", "sync_start", "predict")
+CORRECTORS = ("", "sync_start", "predict", "reschedule")
 """Delayed-arm correctors beside EF: none; Sync Start (the first SYNC_START_SHARE of the steps
-synchronous, `training.sync_start_steps`); weight prediction (`training.weight_prediction = 1`)."""
-CORRECTOR_NAMES = {"sync_start": "syncstart", "predict": "predict"}
-CORRECTOR_LABELS = {"sync_start": "Sync Start", "predict": "weight prediction"}
+synchronous, `training.sync_start_steps`); weight prediction (`training.weight_prediction = 1`);
+the lr divided by the delay, fading out over the first RESCHEDULE_SHARE of the steps
+(`lr_scheduler.delay_rescheduling_steps`)."""
+CORRECTOR_NAMES = {"sync_start": "syncstart", "predict": "predict", "reschedule": "resched"}
+CORRECTOR_LABELS = {"sync_start": "Sync Start", "predict": "weight prediction", "reschedule": "lr rescheduling"}
 SYNC_START_SHARE = 0.1
+RESCHEDULE_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,8 @@ class Arm:
             values.append(f"training.sync_start_steps={sync_start_steps(steps)}")
         elif self.corrector == "predict":
             values.append("training.weight_prediction=1")
+        elif self.corrector == "reschedule":
+            values.append(f"lr_scheduler.delay_rescheduling_steps={max(1, round(RESCHEDULE_SHARE * steps))}")
         return values
 
 
