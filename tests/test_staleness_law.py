@@ -263,7 +263,7 @@ def test_the_longer_delays_train_first_and_their_table_reads_each_delays_gap(mon
     queued = [r.name for r in scaling.pending([cell], record)]
     assert queued[:6] == ["adamw-delay2", "muon-delay2", "adamw-delay2-ef", "muon-delay2-ef", "adamw-delay2-predict",
                           "muon-delay2-predict"]
-    assert len(queued) == 25 and queued[-2:] == ["muon-delay4-predict-seed1", left.split("/")[1]]
+    assert len(queued) == 33 and queued[-2:] == ["muon-delay4-resched-seed1", left.split("/")[1]]
     record[left] = kept
     full = cell.settings(1, 1)
     sync = 5 - 0.3 * math.log(full.steps * full.seq_len * full.batch)
@@ -273,6 +273,7 @@ def test_the_longer_delays_train_first_and_their_table_reads_each_delays_gap(mon
     table = scaling._longer_delays_section(record)
     assert "| muon | none | 4 | +0.1200, +0.1200 | +0.4000 | 0.670 | 1.492x |  |" in table
     assert "| adamw | predict | 2 | +0.0600, +0.0600 | +0.2000 | 0.819 | 1.221x | 0% |" in table  # as long a gap as the plain delay's
+    assert "| muon | reschedule | 4 | +0.1200, +0.1200 |" in table and "| muon | reschedule | 1 |" not in table  # d = 1: no run
     assert next(line for line in table.splitlines() if line.startswith("| muon | ef | 1 |")).endswith("| 75% |")  # 1 - 0.05 / 0.2
     exponents, delays = scaling.delay_exponents(record)
     y1 = LAW.log_inefficiency("muon", "none", full.steps, cell.regime.parameters)  # y_2 = 0.06 / 0.3, y_4 = 0.12 / 0.3

@@ -221,6 +221,8 @@ def test_corrector_arms_and_their_overrides():
     predict = Arm("adamw", 1, False, 0, "predict")
     assert "training.weight_prediction=1" in predict.overrides() and predict.name == "adamw-delay1-predict"
     assert not any("sync_start" in o or "weight_prediction" in o for o in Arm("adamw", 1, True).overrides(100))
+    reschedule = Arm("muon", 4, False, 0, "reschedule")
+    assert reschedule.name == "muon-delay4-resched" and "lr_scheduler.delay_rescheduling_steps=342" in reschedule.overrides(1370)
     assert study.study_arms([0]) == study.study_arms([0], correctors=False)
 
 

@@ -20,11 +20,11 @@ MOE = ("model.family=qwen3_moe", "model.top_k=2", "model.load_balance_coeff=0.00
 """--moe: the qwen3 mixture-of-experts blocks (top-2, expert biases moved at each step); the
 number of experts, their hidden size and precision are `Settings.experts`, `.moe_hidden_dim` and
 `.expert_precision`."""
-CORRECTORS = ("", "sync_start", "predict", "reschedule")
+CORRECTORS = ("", "sync_start", "predict")
 """Delayed-arm correctors beside EF: none; Sync Start (the first SYNC_START_SHARE of the steps
-synchronous, `training.sync_start_steps`); weight prediction (`training.weight_prediction = 1`);
-the lr divided by the delay, fading out over the first RESCHEDULE_SHARE of the steps
-(`lr_scheduler.delay_rescheduling_steps`)."""
+synchronous, `training.sync_start_steps`); weight prediction (`training.weight_prediction = 1`).
+The longer delays also train "reschedule": the lr divided by the delay, fading out over the
+first RESCHEDULE_SHARE of the steps (`lr_scheduler.delay_rescheduling_steps`)."""
 CORRECTOR_NAMES = {"sync_start": "syncstart", "predict": "predict", "reschedule": "resched"}
 CORRECTOR_LABELS = {"sync_start": "Sync Start", "predict": "weight prediction", "reschedule": "lr rescheduling"}
 SYNC_START_SHARE = 0.1
