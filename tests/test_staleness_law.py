@@ -35,7 +35,9 @@ def test_the_law_evaluates_its_power_law_with_its_residual_range_and_names_what_
     assert found.tokens_factor == pytest.approx(math.exp(0.05))
     assert found.extrapolated == ("parameters 16,000,000 lie outside the studies' 100,000..1,000,000 (16x beyond)",)
     assert staleness.estimate("adamw", "ef", 1000, 1_000_000, LAW).extrapolated == ()
-    assert "steps 100 lie outside" in staleness.estimate("adamw", "ef", 100, 1_000_000, LAW).extrapolated[0]
+    fewer = staleness.estimate("adamw", "ef", 100, 1_000_000, LAW)  # held at the fewest studied steps, 500
+    assert "steps 100 lie outside" in fewer.extrapolated[0]
+    assert fewer.efficiency == pytest.approx(math.exp(-0.2 * 0.5 ** -0.5)) == staleness.estimate("adamw", "ef", 500, 1_000_000, LAW).efficiency
     with pytest.raises(KeyError):
         staleness.estimate("sgd", "none", 1000, 1_000_000, LAW)
     paper = replace(LAW, out_of_sample_factors={"muon+none": 10.0})  # only an extrapolating prediction reaches the paper's

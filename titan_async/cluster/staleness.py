@@ -121,9 +121,11 @@ def estimate(optimizer: str, corrector: str, steps: int, parameters: int, fitted
     law's, within its range factor either way; where the steps, parameters or delay lie outside
     the studies', the pessimistic end also reaches the paper's points
     (`Law.out_of_sample_factors`). Raises KeyError for an optimizer or corrector the studies did
-    not train (at that delay)."""
+    not train (at that delay). Below the studies' fewest steps the law is held at its value there
+    instead of extrapolated: its steps term would grow without bound (Muon's exponent is about
+    1.5), where the 100-step CPU runs measure about the fewest-steps cell's cost."""
     fitted = fitted or law()
-    y = fitted.log_inefficiency(optimizer, corrector, steps, parameters, delay)
+    y = fitted.log_inefficiency(optimizer, corrector, max(steps, fitted.steps[0]), parameters, delay)
     notes = []
     ranges = [("steps", steps, fitted.steps, "lie"), ("parameters", parameters, fitted.parameters, "lie")]
     ranges += [("a delay of", delay, fitted.delays, "lies")] if delay > 1 else []
