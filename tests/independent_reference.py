@@ -891,7 +891,7 @@ def paci(settings: Settings, batches: list[list[Microbatch]], drains: set[int], 
 
 @one_thread
 def paci_stages(settings: Settings, batches: list[list[Microbatch]], drains: set[int], late: int = 0,
-                backward_weights: str = "current") -> Result:
+                backward_weights: str = "current", lr_delays: list[float] | None = None) -> Result:
     """PACI on any number of stages (dense, no Sync Start, prediction or lagged clipping): stage s
     keeps p-1-s microbatches in flight (its forward of microbatch k + p-1-s, then its backward of
     k, the stream drained after the steps in `drains`) and steps after every `a` of its
@@ -900,12 +900,16 @@ def paci_stages(settings: Settings, batches: list[list[Microbatch]], drains: set
     forward-time input under `ForwardTimeValues` (the forward's weights as the value, the current
     ones for the derivatives). With m or a below p - 1 a microbatch crosses several local steps of
     its stage. Stages run in any order their messages allow (each stage's weights change only by
-    its own steps). Controls as in `paci`: `late`, `backward_weights="forward"`."""
+    its own steps). Controls as in `paci`: `late`, `backward_weights="forward"`. With
+    `settings.delay_rescheduling_steps` each stage's lr is rescheduled by its entry of `lr_delays`
+    (`StageOptimizer`'s `lr_delay`, at most 1 meaning none)."""
     a, m = settings.accumulation or settings.microbatches, settings.microbatches
     model = build_model(settings)
     p = len(settings.stages)
     stages = [Stage(model, modules) for modules in settings.stages]
-    optimizers = [StageOptimizer(named, settings, settings.dim // settings.n_heads) for named in stage_params(model, settings.stages)]
+    lr_delays = lr_delays or [1.0] * p
+    optimizers = [StageOptimizer(named, settings, settings.dim // settings.n_heads, lr_delay=max(1.0, lr_delays[s]))
+                  for s, named in enumerate(stage_params(model, settings.stages))]
     names = [[name for name, _ in named] for named in stage_params(model, settings.stages)]
     live = dict(model.named_parameters())
     mixed = ForwardTimeValues(model)

@@ -153,7 +153,7 @@ def test_a_delay_of_several_steps_refuses_what_it_does_not_run_yet(capsys, tmp_p
 FOUR_STAGES = 'parallelism.module_fqns_per_model_part=[["tok_embeddings", "layers.0"], ["layers.1"], ["layers.2"], ["layers.3", "norm", "lm_head"]]'
 
 
-def four_stages_resumed_at_step_4(tmp_path, schedule: str, microbatches: int, data_ranks: int = 1):
+def four_stages_resumed_at_step_4(tmp_path, schedule: str, microbatches: int, data_ranks: int = 1, *assignments: str):
     """PP 4 x FSDP `data_ranks` on 4 x `data_ranks` processes, `microbatches` of 1 sequence per
     data rank and step, stopped at the step-4 checkpoint (its communication log passes the NCCL
     model) and resumed to STEPS."""
@@ -161,7 +161,7 @@ def four_stages_resumed_at_step_4(tmp_path, schedule: str, microbatches: int, da
     run = pipelined(tmp_path / "run", f"parallelism.pipeline_parallel_schedule={schedule}", "parallelism.pipeline_parallel_degree=4",
                     f"parallelism.data_parallel_shard_degree={data_ranks}", FOUR_STAGES,
                     f"training.local_batch_size={microbatches}", "checkpoint.interval=4",
-                    f"lr_scheduler.total_steps={STEPS}", "training.steps=4", config=config, nproc=4 * data_ranks)
+                    f"lr_scheduler.total_steps={STEPS}", "training.steps=4", *assignments, config=config, nproc=4 * data_ranks)
     nccl_model.assert_nccl_safe(run / "comm", 4, ranks_per_stage=data_ranks, bounded=False)
     run_cli("resume", "--run-dir", str(run), *sets(f"training.steps={STEPS}"), env={"TITAN_ASYNC_BATCH_LOG": str(run / "batches")})
     return run
@@ -240,15 +240,11 @@ def test_delay_rescheduling_divides_the_lr_by_the_delay_fading_out_across_a_resu
         assert_different(differences(run, weights, ref.two_bw(settings, batches, delay=2, **control), lambda step: step))
 
 
-@pytest.mark.parametrize("assignments, message", [
-    (("parallelism.pipeline_parallel_schedule=1F1B",), "'1F1B' has none: set it to 0, or use PipeDream2BW"),
-    (("parallelism.pipeline_parallel_schedule=PACI", "parallelism.emulated_stages=4"), "PACI's delays differ by stage: set it to 0"),
-])
-def test_delay_rescheduling_refuses_schedules_without_one_shared_delay(capsys, tmp_path, assignments, message):
+def test_delay_rescheduling_refuses_a_synchronous_schedule(capsys, tmp_path):
     code, _, err = cli_in_process(capsys, "train", "--run-dir", str(tmp_path / "run"), *sets(
-        "lr_scheduler.delay_rescheduling_steps=10", *assignments))
+        "lr_scheduler.delay_rescheduling_steps=10", "parallelism.pipeline_parallel_schedule=1F1B"))
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "lr_scheduler.delay_rescheduling_steps = 10" in err and message in err
+    assert "lr_scheduler.delay_rescheduling_steps = 10" in err and "'1F1B' has none: set it to 0, or use PipeDream2BW or PACI" in err
 
 
 def test_resume_refuses_a_change_of_the_delay(tmp_path, capsys):
@@ -307,15 +303,23 @@ def test_paci_on_four_stages_with_fewer_microbatches_equals_the_independent_refe
     """PACI at p = 4 stepping every a = m backwards, m = 1 and 2: a microbatch of stage 0 crosses
     up to ceil(3 / a) of its stage's local steps (3 and 2) between forward and backward, against
     `ref.paci_stages` across a resume at step 4. Controls: a step one backward late, and the
-    backward at the forward's weights (a stash)."""
-    run = four_stages_resumed_at_step_4(tmp_path, "PACI", microbatches)
+    backward at the forward's weights (a stash). At m = 1 each stage's lr is also rescheduled by
+    its own mean delay (p - 1 - s) / a = 3, 2, 1, 0 (`lr_scheduler.delay_rescheduling_steps`);
+    controls: every stage at stage 0's delay, and no rescheduling."""
+    rescheduled = ("lr_scheduler.delay_rescheduling_steps=5",) if microbatches == 1 else ()
+    run = four_stages_resumed_at_step_4(tmp_path, "PACI", microbatches, 1, *rescheduled)
     settings, batches, weights = reference_inputs(run)
     drains = ref.drain_steps(run)
     assert drains == {4, STEPS} and settings.microbatches == microbatches
+    delays = [3.0, 2.0, 1.0, 0.0] if rescheduled else None
     update_of_step = lambda step: step  # a = m: one local step per batch
-    assert_equal(differences(run, weights, ref.paci_stages(settings, batches, drains), update_of_step))
-    assert_different(differences(run, weights, ref.paci_stages(settings, batches, drains, late=1), update_of_step))
-    assert_different(differences(run, weights, ref.paci_stages(settings, batches, drains, backward_weights="forward"), update_of_step))
+    assert_equal(differences(run, weights, ref.paci_stages(settings, batches, drains, lr_delays=delays), update_of_step))
+    assert_different(differences(run, weights, ref.paci_stages(settings, batches, drains, late=1, lr_delays=delays), update_of_step))
+    assert_different(differences(run, weights, ref.paci_stages(settings, batches, drains, backward_weights="forward", lr_delays=delays),
+                                 update_of_step))
+    if rescheduled:
+        for control in ([3.0] * 4, None):
+            assert_different(differences(run, weights, ref.paci_stages(settings, batches, drains, lr_delays=control), update_of_step))
 
 
 def test_paci_on_four_stages_with_one_microbatch_flows_as_simulated(tmp_path):

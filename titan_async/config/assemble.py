@@ -160,7 +160,6 @@ def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncT
         run.validation, dataloader=HuggingFaceTextDataLoader.Config(dataset=data.validation_dataset, infinite=False)
     )
     activation_checkpoint = ACTIVATION_CHECKPOINTS[run.activation_checkpoint.mode]
-    delay = pipeline_delay(run.training, run.parallelism, run.data_parallel_degree(world_size), run.microbatches())
     try:
         return AsyncTrainer.Config(
             model_spec=model_spec,
@@ -169,8 +168,9 @@ def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncT
             loss=CrossEntropyLoss.Config(global_vocab_size=model_spec.model.vocab_size),
             dataloader=HuggingFaceTextDataLoader.Config(dataset=data.train_dataset),
             validator=validator,
-            optimizer=run.optimizer.container_config(delay),
-            lr_scheduler=dataclasses.replace(run.lr_scheduler, _gradient_delay=max(1, delay)),
+            optimizer=run.optimizer.container_config(
+                pipeline_delay(run.training, run.parallelism, run.data_parallel_degree(world_size), run.microbatches())),
+            lr_scheduler=run.lr_scheduler,
             training=run.training,
             parallelism=with_expert_parallel_backend(run.parallelism),
             checkpoint=run.checkpoint,

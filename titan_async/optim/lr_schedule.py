@@ -8,11 +8,11 @@ from torch.optim.lr_scheduler import LambdaLR
 from torchtitan.components.optimizer import LRSchedulersContainer
 
 
-def delay_rescheduling(step: int, delay: int, steps: int) -> float:
+def delay_rescheduling(step: int, delay: float, steps: int) -> float:
     """The factor d ** -(1 - min(k / K, 1)) of scheduler step k (0-based) at gradient delay d over K
     steps: 1 / d at the first step, rising geometrically to 1 at step K (PipeMare's learning-rate
-    rescheduling with one delay on every stage)."""
-    return delay ** -(1 - min(step / steps, 1.0))
+    rescheduling); a delay below one step counts as one."""
+    return max(delay, 1.0) ** -(1 - min(step / steps, 1.0))
 
 
 class RunLRSchedulers(LRSchedulersContainer):
@@ -23,23 +23,26 @@ class RunLRSchedulers(LRSchedulersContainer):
     @dataclass(kw_only=True, slots=True)
     class Config(LRSchedulersContainer.Config):
         delay_rescheduling_steps: int = 0
-        """Divide the lr of scheduler step k by d ** (1 - min(k / K, 1)), K this many steps and d the
-        run's gradient delay in steps (PipeDream2BW's, or training.gradient_delay): lr / d at the
-        start, the schedule's own lr from step K on; 0: off. A no-op at d = 1."""
-        _gradient_delay: int = 1
-        """d, set from the run's schedule when the trainer is assembled (not a config key)."""
+        """Divide each stage's lr of scheduler step k by d ** (1 - min(k / K, 1)), K this many steps
+        and d the stage's gradient delay in its own updates (PipeDream2BW's or
+        training.gradient_delay on every stage; PACI's mean on each stage): lr / d at the start,
+        the schedule's own lr from step K on; 0: off. A no-op where d <= 1; the trainer applies
+        it per stage (`reschedule`)."""
 
-        def build(self, *, optimizers, training_steps) -> RunLRSchedulers:
-            schedulers = LRSchedulersContainer.Config.build(self, optimizers=optimizers, training_steps=training_steps).schedulers
-            if self.delay_rescheduling_steps and self._gradient_delay > 1:
-                schedule = schedulers[0].lr_lambdas[0]
-                delay, steps = self._gradient_delay, self.delay_rescheduling_steps
-                # Rebuilt from the optimizers' unchanged initial lrs: step 0's lr is rescheduled too.
-                schedulers = [LambdaLR(o, lambda k: schedule(k) * delay_rescheduling(k, delay, steps)) for o in optimizers]
-            return RunLRSchedulers(schedulers)
+        def build(self, **kwargs) -> RunLRSchedulers:
+            return RunLRSchedulers(LRSchedulersContainer.Config.build(self, **kwargs).schedulers)
 
     def __init__(self, schedulers: list) -> None:
         self.schedulers = schedulers
+
+    def reschedule(self, indices: list[int], delay: float, steps: int) -> None:
+        """Rebuild schedulers `indices` (one stage's, before its first step) with their lr divided by
+        `delay_rescheduling(k, delay, steps)` at scheduler step k, from their optimizers' unchanged
+        initial lrs, so that the first step's lr is rescheduled too."""
+        for i in indices:
+            schedule = self.schedulers[i].lr_lambdas[0]
+            self.schedulers[i] = LambdaLR(self.schedulers[i].optimizer,
+                                          lambda k, schedule=schedule: schedule(k) * delay_rescheduling(k, delay, steps))
 
     def get_metrics(self) -> dict[str, float]:
         metrics = {}

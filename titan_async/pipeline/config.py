@@ -132,22 +132,27 @@ def check_delay(training: DelayTraining, parallelism: PipelineParallelism, data_
     return None
 
 
+def stage_delay(training: DelayTraining, schedule: str, stage: int, stages: int, microbatches: int, accumulation: int | None) -> float:
+    """Stage `stage`'s gradient delay in its own updates, as the lr rescheduling divides by it
+    (`lr_scheduler.delay_rescheduling_steps`): `training.gradient_delay`, or PipeDream2BW's
+    ceil((stages - 1) / microbatches) on every stage; PACI's mean, (stages - 1 - stage) /
+    accumulation (`microbatches`: a data rank's per step, accumulation included)."""
+    if training.gradient_delay:
+        return training.gradient_delay
+    if streaming_schedule(schedule) is SchedulePACI:
+        return (stages - 1 - stage) / (accumulation or microbatches)
+    return gradient_delay(stages, microbatches)
+
+
 def check_delay_rescheduling(steps: int, training: DelayTraining, parallelism: PipelineParallelism) -> str | None:
     """Why `lr_scheduler.delay_rescheduling_steps` cannot apply, naming the keys; None if it can:
-    it divides the lr by the one delay every stage shares (2BW's rule), which PACI's per-stage
-    delays and the synchronous schedules do not have."""
-    if not steps or training.gradient_delay:
-        return None
+    it divides the lr by a gradient delay, which the synchronous schedules do not have."""
     name = parallelism.pipeline_parallel_schedule
-    schedule = streaming_schedule(name)
-    if schedule is SchedulePipeDream2BW:
+    if not steps or training.gradient_delay or streaming_schedule(name):
         return None
-    key = f"lr_scheduler.delay_rescheduling_steps = {steps}"
-    if schedule is None:
-        return (f"{key} divides the lr by a gradient delay; parallelism.pipeline_parallel_schedule = {name!r} has none: "
-                "set it to 0, or use PipeDream2BW (or training.gradient_delay)")
-    return (f"{key} divides the lr by the delay every stage shares (PipeDream2BW, training.gradient_delay); "
-            f"{name}'s delays differ by stage: set it to 0")
+    return (f"lr_scheduler.delay_rescheduling_steps = {steps} divides the lr by a gradient delay; "
+            f"parallelism.pipeline_parallel_schedule = {name!r} has none: set it to 0, or use PipeDream2BW or PACI "
+            "(or training.gradient_delay)")
 
 
 def check_pipeline(training: DelayTraining, parallelism: PipelineParallelism) -> str | None:

@@ -23,6 +23,9 @@ class DelayedSteps:
         self.delay = two_versions(model, 1, FsdpStage.of(model), training.sync_start_steps, training.weight_prediction,
                                   training.gradient_delay)
         self.policies = {0: (self.delay, policy_names(model, self.delay))}
+        if trainer.config.lr_scheduler.delay_rescheduling_steps:  # the whole model is one stage at delay d
+            schedulers = range(len(trainer.lr_schedulers.schedulers))
+            trainer.lr_schedulers.reschedule(list(schedulers), training.gradient_delay, trainer.config.lr_scheduler.delay_rescheduling_steps)
         self.synchronous = SynchronousSteps(trainer, balance_experts=False)
         self.timeline = None
         self.balances: dict = {}

@@ -17,7 +17,7 @@ from torchtitan.tools.logging import logger
 
 from titan_async.core import streams
 from titan_async.pipeline.actions import gradient_delay
-from titan_async.pipeline.config import microbatches
+from titan_async.pipeline.config import microbatches, stage_delay
 from titan_async.pipeline.emulation import stage_modules, stage_view
 from titan_async.pipeline.executor import Microbatch, StageExecutor
 from titan_async.pipeline.load_balance import StageLoadBalance, moe_blocks
@@ -62,6 +62,7 @@ class StreamingSteps:
         self.synchronous_norms: tuple[int, dict[int, torch.Tensor], torch.Tensor] | None = None
         """(update, each local stage's norm, the global norm) of the last synchronous update."""
         self.policies = self._emulate_stages() if emulated else self._attach_to_schedule()
+        self._reschedule_lrs()
         self._balance_expert_load()
         self.grad_norms = self._grad_norms(emulated)
         config = trainer.config
@@ -146,6 +147,18 @@ class StreamingSteps:
             steps[stage] = lambda stage=stage, policy=policy: self._stage_optimizer_step(stage, policy, self.balances.get(stage))
         self.stream = StreamEngine(executors, len(views), m, steps)
         return policies
+
+    def _reschedule_lrs(self) -> None:
+        """`lr_scheduler.delay_rescheduling_steps`: each local stage's lrs divided by its own delay
+        (`stage_delay`), fading out."""
+        config = self.trainer.config
+        steps = config.lr_scheduler.delay_rescheduling_steps
+        if not steps:
+            return
+        for stage, indices in self.stage_optimizers.items():
+            delay = stage_delay(config.training, config.parallelism.pipeline_parallel_schedule, stage, self.stream.num_stages,
+                                self.stream.microbatches, config.parallelism.paci.accumulation)
+            self.trainer.lr_schedulers.reschedule(indices, delay, steps)
 
     def _balance_expert_load(self) -> None:
         """MoE load balancing per stage, where each stage steps (`pipeline.load_balance`)."""
