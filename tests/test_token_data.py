@@ -177,3 +177,17 @@ def test_tokens_run_matches_a_files_run_of_the_same_text(tmp_path, builtin_token
                 *sets(*TINY, "training.steps=2", "validation.enable=false", f"data.source={name}", f"data.path={path}"))
         runs[name] = losses(tmp_path / name)
     assert runs["tokens"] == pytest.approx(runs["files"], rel=1e-6)
+
+
+def test_two_data_ranks_resume_from_a_checkpoint_exactly(tmp_path, builtin_tokenizer):
+    """Each data rank's cursor is in the checkpoint: stopped and resumed, the run has the uninterrupted losses."""
+    source = write_jsonl(tmp_path / "docs.jsonl", [f"{text}\n# variant {i}\n" for i in range(60) for text in DOCUMENTS])
+    prepare_tokens([str(source)], tmp_path / "tokens", builtin_tokenizer, workers=1, progress=False)
+    common = ("--nproc-per-node", "2", *sets(*TINY, "validation.enable=false", "data.source=tokens", f"data.path={tmp_path / 'tokens'}",
+                                             "lr_scheduler.total_steps=4", "checkpoint.interval=2"))
+    run_cli("train", "--run-dir", str(tmp_path / "full"), *common, *sets("training.steps=4"))
+    run_cli("train", "--run-dir", str(tmp_path / "split"), *common, *sets("training.steps=2"))
+    run_cli("resume", "--run-dir", str(tmp_path / "split"), "--nproc-per-node", "2", *sets("training.steps=4"))
+    full, split = losses(tmp_path / "full"), losses(tmp_path / "split")
+    assert sorted(split) == sorted(full) == [1, 2, 3, 4]
+    assert [split[step] for step in range(1, 5)] == pytest.approx([full[step] for step in range(1, 5)], rel=1e-6)
