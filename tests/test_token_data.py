@@ -12,7 +12,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from conftest import TINY, losses, run_cli, sets
+from conftest import TINY, losses, metrics, run_cli, sets
 from test_bad_input import fail
 from titan_async.data.prepare import prepare_tokens
 from titan_async.data.sources import DataSection, tokenizer_dir
@@ -167,16 +167,30 @@ def test_megatron_bad_magic_and_short_bin_are_refused(capsys, tmp_path):
 
 
 def test_tokens_run_matches_a_files_run_of_the_same_text(tmp_path, builtin_tokenizer):
-    """The same token stream, so the same losses: torchtitan's loader reads a files run's text
-    unshuffled in its first epoch, as the tokens loader reads the shards."""
-    source = write_jsonl(tmp_path / "docs.jsonl", [f"{text}\n# variant {i}\n" for i in range(40) for text in DOCUMENTS])
-    prepare_tokens([str(source)], tmp_path / "tokens", builtin_tokenizer, workers=1, progress=False)
+    """The same token stream, so the same training and validation losses: torchtitan's loader reads
+    a files run's text unshuffled in its first epoch, as the tokens loader reads the shards."""
+    train = write_jsonl(tmp_path / "train.jsonl", [f"{text}\n# variant {i}\n" for i in range(40) for text in DOCUMENTS])
+    held_out = write_jsonl(tmp_path / "validation.jsonl", [f"{text}\n# held out {i}\n" for i in range(10) for text in DOCUMENTS])
+    for source in (train, held_out):
+        prepare_tokens([str(source)], tmp_path / f"{source.stem}-tokens", builtin_tokenizer, workers=1, progress=False)
     runs = {}
-    for name, path in (("files", source), ("tokens", tmp_path / "tokens")):
+    for name, suffix in (("files", ".jsonl"), ("tokens", "-tokens")):
         run_cli("train", "--run-dir", str(tmp_path / name),
-                *sets(*TINY, "training.steps=2", "validation.enable=false", f"data.source={name}", f"data.path={path}"))
-        runs[name] = losses(tmp_path / name)
-    assert runs["tokens"] == pytest.approx(runs["files"], rel=1e-6)
+                *sets(*TINY, "training.steps=2", "validation.freq=2", f"data.source={name}",
+                      f"data.path={tmp_path / ('train' + suffix)}", f"data.validation_path={tmp_path / ('validation' + suffix)}"))
+        runs[name] = losses(tmp_path / name), metrics(tmp_path / name, "validation")[2]["validation_metrics/loss"]
+    assert runs["tokens"][0] == pytest.approx(runs["files"][0], rel=1e-6)
+    assert runs["tokens"][1] == pytest.approx(runs["files"][1], rel=1e-6)
+
+
+def test_prepare_refuses_bad_arguments_in_one_line(capsys, tmp_path):
+    err = fail(capsys, "prepare", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "out"))
+    assert err == f"titan-async: INPUT = '{tmp_path / 'none.jsonl'}': no jsonl/json/parquet/txt files found there"
+    source = write_jsonl(tmp_path / "docs.jsonl", DOCUMENTS)
+    err = fail(capsys, "prepare", str(source), "--out", str(tmp_path / "out"), "--tokenizer", str(tmp_path))
+    assert err == f"titan-async: --tokenizer {tmp_path}: expected a directory containing tokenizer.json"
+    err = fail(capsys, "prepare", str(source), "--out", str(tmp_path / "out"), "--text-field", "body", "--workers", "1")
+    assert err.startswith(f"titan-async: --text-field 'body': document 0 of {source} has no such field")
 
 
 def test_two_data_ranks_resume_from_a_checkpoint_exactly(tmp_path, builtin_tokenizer):

@@ -456,6 +456,8 @@ def _prepare(args) -> int:
     from titan_async.data.prepare import prepare_tokens
     from titan_async.data.sources import DataSection, tokenizer_dir
 
+    if args.tokenizer and not (args.tokenizer / "tokenizer.json").is_file():
+        raise UserError(f"--tokenizer {args.tokenizer}: expected a directory containing tokenizer.json")
     data = DataSection(tokenizer=str(args.tokenizer or ""), vocab_size=args.vocab_size)
     result = prepare_tokens(args.inputs, args.out, tokenizer_dir(data), args.text_field, args.workers, args.verify,
                             progress=sys.stderr.isatty())

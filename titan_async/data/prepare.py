@@ -70,7 +70,10 @@ def prepare_tokens(inputs: list[str], out: Path, tokenizer_dir: Path, text_field
     vocab_size = HuggingFaceTokenizer(tokenizer_path=str(tokenizer_dir)).get_vocab_size()
     dtype = token_dtype(vocab_size)
     tokenizer_sha = sha256(tokenizer_dir / "tokenizer.json")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"--out {out}: cannot be made a directory: {err.strerror}") from None
     jobs = [ShardJob(i, f, builder, str(out), str(tokenizer_dir), text_field, dtype.name,
                      {"source": str(Path(f).resolve()), **_stamp(f), "tokenizer_sha256": tokenizer_sha,
                       "text_field": text_field, "dtype": dtype.name})
@@ -92,7 +95,7 @@ def prepare_tokens(inputs: list[str], out: Path, tokenizer_dir: Path, text_field
 
 
 def _each_file(pattern: str) -> list[tuple[str, str]]:
-    builder, files = text_files(pattern, f"prepare {pattern!r}")
+    builder, files = text_files(pattern, "INPUT")
     return [(builder, f) for f in files]
 
 
@@ -152,7 +155,6 @@ def write_shard(job: ShardJob) -> tuple[int, dict]:
     """Tokenize `job.source` into the shard `job.name` under `job.out`: its index and manifest entry."""
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tokenizer = HuggingFaceTokenizer(tokenizer_path=job.tokenizer_dir)
     out = Path(job.out)
     tokens_path, docs_path = out / f"{job.name}.tokens", out / f"{job.name}.docs"
