@@ -31,7 +31,7 @@ TINY = [
 SLOWEST_FILES = ("test_default_run.py", "test_moe.py", "test_independent_reference.py", "test_sync_start.py",
                  "test_fsdp_schedules.py", "test_tensor_parallel.py", "test_bounded_delay.py", "test_schedules.py",
                  "test_replicas_and_accumulation.py",
-                 "test_bench_schedules.py", "test_fault_tolerance.py")
+                 "test_bench_schedules.py", "test_fault_tolerance.py", "test_token_data.py")
 """Files with the longest multi-process runs (`--durations`), slowest first. Under `-n 2 --dist
 loadfile --no-loadscope-reorder` (pyproject's addopts) xdist hands out whole files in collection
 order, so these start first and the many short files fill in around them; in xdist's default

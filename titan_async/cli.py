@@ -1,4 +1,4 @@
-"""`titan-async`: train, resume, eval, export, report on and compare runs, and inspect configs."""
+"""`titan-async`: prepare data, train, resume, eval, export, report on and compare runs, and inspect configs."""
 
 from __future__ import annotations
 
@@ -129,6 +129,17 @@ def _parser() -> argparse.ArgumentParser:
                       help="the one-step delay's predicted cost for the config: token efficiency and loss gap per corrector")
     plan.add_argument("--balance", action="store_true",
                       help="--simulate: the stage split that evens out the ranks' simulated work, and every schedule's gain with it")
+
+    prepare = commands.add_parser("prepare", help='tokenize text files into token shards for data.source = "tokens"')
+    prepare.add_argument("inputs", nargs="+", metavar="INPUT", help="a jsonl/json/parquet/txt file, a directory or a glob")
+    prepare.add_argument("--out", type=Path, required=True, help="directory for the shards and manifest.json")
+    prepare.add_argument("--text-field", default="text", help="field that holds each document's text (default: text)")
+    prepare.add_argument("--tokenizer", type=Path,
+                         help="directory with tokenizer.json (default: the built-in byte-level BPE, as data.tokenizer = '')")
+    prepare.add_argument("--vocab-size", type=positive_int, default=2048,
+                         help="vocabulary size of the built-in tokenizer, as data.vocab_size (default: 2048)")
+    prepare.add_argument("--workers", type=positive_int, help="tokenizing processes (default: one per core)")
+    prepare.add_argument("--verify", action="store_true", help="check the sha256 of shards kept from an earlier run, not just their sizes")
 
     config = commands.add_parser("config", help="inspect configs")
     config_commands = config.add_subparsers(dest="config_command", required=True)
@@ -441,6 +452,26 @@ def _plan(args) -> int:
     return run_plan(run, args.cluster, args.strict, args.json, simulation, args.balance, args.staleness)
 
 
+def _prepare(args) -> int:
+    from titan_async.data.prepare import prepare_tokens
+    from titan_async.data.sources import DataSection, tokenizer_dir
+
+    if args.tokenizer and not (args.tokenizer / "tokenizer.json").is_file():
+        raise UserError(f"--tokenizer {args.tokenizer}: expected a directory containing tokenizer.json")
+    data = DataSection(tokenizer=str(args.tokenizer or ""), vocab_size=args.vocab_size)
+    result = prepare_tokens(args.inputs, args.out, tokenizer_dir(data), args.text_field, args.workers, args.verify,
+                            progress=sys.stderr.isatty())
+    shards = result.manifest["shards"]
+    tokens = sum(s["token_count"] for s in shards)
+    rate = result.tokens_written / result.seconds if result.seconds else 0.0
+    print(f"{args.out}: {tokens:,} tokens in {sum(s['document_count'] for s in shards):,} documents, {len(shards)} shard(s) "
+          f"({result.shards_kept} kept from an earlier run), {result.manifest['dtype']}")
+    if result.tokens_written:
+        print(f"tokenized {result.tokens_written:,} tokens in {result.seconds:.1f} s: {rate:,.0f} tokens/s, "
+                  f"{rate / result.workers:,.0f} tokens/s per core ({result.workers} worker(s))")
+    return 0
+
+
 def _config_show(args) -> int:
     from rich.console import Console
     from rich.syntax import Syntax
@@ -460,7 +491,7 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.ERROR)
     handlers = {"train": _train, "resume": _resume, "eval": _eval, "export": _export, "config": _config_show,
-                "report": _report, "compare": _compare, "plan": _plan}
+                "report": _report, "compare": _compare, "plan": _plan, "prepare": _prepare}
     try:
         ARGUMENT_CHECKS.get(args.command, lambda args: None)(args)
         # torch comes in here, once the arguments are known to be good: --help, --version and their errors stay fast.

@@ -9,7 +9,6 @@ from pathlib import Path
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
-from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
 from titan_async.config.run_config import RunConfig, set_value
 from titan_async.core import platform
@@ -154,11 +153,10 @@ def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncT
         split_stages(run.parallelism, model_spec.model, run.microbatches())
     except ValueError as err:
         raise UserError(f"{run.source}: {err}") from None
+    data.check_vocabulary(model_spec.model.vocab_size)
     if run.checkpoint.initial_load_in_hf:
         check_hf_weights(run.checkpoint.initial_load_path, model_spec, run.source)
-    validator = dataclasses.replace(
-        run.validation, dataloader=HuggingFaceTextDataLoader.Config(dataset=data.validation_dataset, infinite=False)
-    )
+    validator = dataclasses.replace(run.validation, dataloader=data.validation_loader)
     activation_checkpoint = ACTIVATION_CHECKPOINTS[run.activation_checkpoint.mode]
     try:
         return AsyncTrainer.Config(
@@ -166,7 +164,7 @@ def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncT
             hf_assets_path=str(data.tokenizer_dir),
             dump_folder=str(run_dir),
             loss=CrossEntropyLoss.Config(global_vocab_size=model_spec.model.vocab_size),
-            dataloader=HuggingFaceTextDataLoader.Config(dataset=data.train_dataset),
+            dataloader=data.train_loader,
             validator=validator,
             optimizer=run.optimizer.container_config(
                 pipeline_delay(run.training, run.parallelism, run.data_parallel_degree(world_size), run.microbatches())),

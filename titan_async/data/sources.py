@@ -1,18 +1,22 @@
 """The `[data]` section: where training text and the tokenizer come from.
 
-Each source is registered in torchtitan's dataset registry, so torchtitan's own
-HF text data loader (packing, per-document positions, exact resume) reads it.
+Text sources are registered in torchtitan's dataset registry, so torchtitan's own
+HF text data loader (packing, per-document positions, exact resume) reads them;
+token files (`tokens`) are read by `token_loader.TokenDataLoader`, which packs alike.
 """
 
 from __future__ import annotations
 
 import glob
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from titan_async.core.errors import UserError
+
+if TYPE_CHECKING:
+    from torchtitan.components.dataloader import BaseDataLoader
 
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 
@@ -21,13 +25,15 @@ _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".tx
 class DataSection:
     """Training and validation text, and the tokenizer."""
 
-    source: Literal["stdlib", "files", "hf"] = "stdlib"
+    source: Literal["stdlib", "files", "hf", "tokens"] = "stdlib"
     """stdlib: a corpus built offline from Python's standard library; files: local
-    jsonl/json/parquet/txt files; hf: a Hugging Face data set, streamed."""
+    jsonl/json/parquet/txt files; hf: a Hugging Face data set, streamed; tokens: token
+    files, from `titan-async prepare` or Megatron-LM's preprocessing."""
     path: str = ""
-    """files: a file, directory or glob of training files; hf: the data set id (e.g. allenai/c4)."""
+    """files: a file, directory or glob of training files; hf: the data set id (e.g. allenai/c4);
+    tokens: a directory `titan-async prepare` wrote, or a Megatron-LM PREFIX (PREFIX.bin + PREFIX.idx)."""
     validation_path: str = ""
-    """files: a file, directory or glob of held-out files (needed when validation is on)."""
+    """files, tokens: held-out data, given as data.path is (needed when validation is on)."""
     hf_subset: str = ""
     """hf: the data set's configuration name (e.g. en), if it has several."""
     train_split: str = "train"
@@ -45,14 +51,24 @@ class DataSection:
 
 @dataclass(frozen=True)
 class PreparedData:
-    """Names registered in torchtitan's DATASETS and the tokenizer directory."""
+    """The training and validation data loaders' configs, the tokenizer directory, and for token
+    files the largest token id each key's data holds (where recorded)."""
 
-    train_dataset: str
-    validation_dataset: str
+    train_loader: BaseDataLoader.Config
+    validation_loader: BaseDataLoader.Config
     tokenizer_dir: Path
+    largest_token_ids: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """key -> (its value, the largest token id in that data)."""
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """UserError naming the key whose data holds a token id the model's vocabulary lacks."""
+        for key, (path, largest) in self.largest_token_ids.items():
+            if largest >= vocab_size:
+                raise UserError(f"{key} = {path!r}: holds token id {largest}, beyond the model's vocabulary of {vocab_size} "
+                                "(model.vocab_size, or data.tokenizer's size); prepare it with the run's tokenizer")
 
 
-def _files(pattern: str, key: str) -> tuple[str, list[str]]:
+def text_files(pattern: str, key: str) -> tuple[str, list[str]]:
     """The loader builder name and the sorted files that `pattern` names."""
     path = Path(pattern).expanduser()
     if path.is_dir():
@@ -104,29 +120,58 @@ def tokenizer_dir(data: DataSection, builtin: Path | None = None) -> Path:
 
 
 def prepare(data: DataSection, need_validation: bool) -> PreparedData:
-    """Register the data sets `data` describes (building the stdlib corpus if needed)."""
+    """Register or open the data sets `data` describes (building the stdlib corpus if needed)."""
     if data.source == "stdlib":
         from titan_async.data.stdlib_corpus import ensure_corpus, register_datasets
 
         files = ensure_corpus(vocab_size=data.vocab_size)
         train, validation = register_datasets(files)
-        return PreparedData(train, validation, tokenizer_dir(data, files.tokenizer_dir))
+        return _text_loaders(train, validation, tokenizer_dir(data, files.tokenizer_dir))
     if not data.path:
         raise UserError(f"data.path is required when data.source = {data.source!r}")
+    if need_validation and not data.validation_path and data.source in ("files", "tokens"):
+        raise UserError(f"data.validation_path is required when validation.enable = true and data.source = {data.source!r}")
+    if data.source == "tokens":
+        return _token_loaders(data, need_validation)
     if data.source == "files":
-        builder, files = _files(data.path, "data.path")
+        builder, files = text_files(data.path, "data.path")
         train = _register("files", data.path, partial(_load_files, builder=builder, files=files), data.text_field)
         validation = ""
         if need_validation:
-            if not data.validation_path:
-                raise UserError("data.validation_path is required when validation.enable = true and data.source = 'files'")
-            builder, files = _files(data.validation_path, "data.validation_path")
+            builder, files = text_files(data.validation_path, "data.validation_path")
             validation = _register(
                 "files_validation", data.validation_path, partial(_load_files, builder=builder, files=files), data.text_field
             )
-        return PreparedData(train, validation, tokenizer_dir(data, None))
+        return _text_loaders(train, validation, tokenizer_dir(data, None))
     train = _register("hf", data.path, partial(_load_hf, subset=data.hf_subset, split=data.train_split), data.text_field)
     validation = _register(
         "hf_validation", data.path, partial(_load_hf, subset=data.hf_subset, split=data.validation_split), data.text_field
     )
-    return PreparedData(train, validation, tokenizer_dir(data, None))
+    return _text_loaders(train, validation, tokenizer_dir(data, None))
+
+
+def _text_loaders(train: str, validation: str, tokenizer: Path) -> PreparedData:
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+
+    return PreparedData(HuggingFaceTextDataLoader.Config(dataset=train),
+                        HuggingFaceTextDataLoader.Config(dataset=validation, infinite=False), tokenizer)
+
+
+def _token_loaders(data: DataSection, need_validation: bool) -> PreparedData:
+    """Loaders over token files, after the checks that need no pass over the tokens (sizes, headers,
+    the tokenizer that made them)."""
+    from titan_async.data.token_files import open_tokens, sha256
+    from titan_async.data.token_loader import TokenDataLoader
+
+    tokenizer = tokenizer_dir(data, None)
+    keys = {"data.path": data.path, **({"data.validation_path": data.validation_path} if need_validation else {})}
+    largest = {}
+    for key, path in keys.items():
+        corpus = open_tokens(path, key)
+        if corpus.tokenizer_sha256 and corpus.tokenizer_sha256 != sha256(tokenizer / "tokenizer.json"):
+            raise UserError(f"{key} = {path!r}: was tokenized by another tokenizer.json than data.tokenizer's "
+                            f"({str(tokenizer)!r}); prepare it with that tokenizer, or set data.tokenizer to the one it used")
+        if corpus.max_token_id is not None:
+            largest[key] = (path, corpus.max_token_id)
+    return PreparedData(TokenDataLoader.Config(dataset_path=data.path),
+                        TokenDataLoader.Config(dataset_path=data.validation_path, infinite=False), tokenizer, largest)

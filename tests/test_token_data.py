@@ -1,0 +1,207 @@
+"""Token data: `titan-async prepare`'s shards, Megatron-LM indexed data sets, the packing loader's
+windows and exact resume, the one-line refusals before launch, and a tokens run against a files run."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from conftest import TINY, losses, metrics, run_cli, sets
+from test_bad_input import fail
+from titan_async.data.prepare import prepare_tokens
+from titan_async.data.sources import DataSection, tokenizer_dir
+from titan_async.data.token_files import open_tokens, sha256
+from titan_async.data.token_loader import TokenDataLoader, TokenDataset
+
+DOCUMENTS = ["def add(a, b):\n    return a + b\n", "hello world", "", "import os\nprint(os.getcwd())\n" * 3,
+             "class A:\n    pass\n", "x = [i * i for i in range(10)]\n"]
+
+
+@pytest.fixture(scope="module")
+def builtin_tokenizer() -> Path:
+    return tokenizer_dir(DataSection())
+
+
+def write_jsonl(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def shard_documents(out: Path, shard: dict, dtype: str) -> list[list[int]]:
+    tokens = np.fromfile(out / shard["tokens"], dtype=dtype)
+    offsets = np.fromfile(out / shard["docs"], dtype=np.int64)
+    return [tokens[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def test_prepare_writes_the_tokenizers_own_encoding(tmp_path, builtin_tokenizer):
+    source = write_jsonl(tmp_path / "docs.jsonl", DOCUMENTS)
+    result = run_cli("prepare", str(source), "--out", str(tmp_path / "out"), "--workers", "1")
+    assert "tokens/s per core" in result.stdout
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    tokenizer = Tokenizer.from_file(str(builtin_tokenizer / "tokenizer.json"))
+    bos, eos = tokenizer.token_to_id("<|begin_of_text|>"), tokenizer.token_to_id("<|end_of_text|>")
+    expected = [[bos, *tokenizer.encode(text).ids, eos] for text in DOCUMENTS]
+    (shard,) = manifest["shards"]
+    assert shard_documents(tmp_path / "out", shard, manifest["dtype"]) == expected
+    assert manifest["dtype"] == "uint16" and manifest["vocab_size"] == tokenizer.get_vocab_size()
+    assert manifest["tokenizer_sha256"] == sha256(builtin_tokenizer / "tokenizer.json")
+    assert shard["document_count"] == len(DOCUMENTS) and shard["token_count"] == sum(map(len, expected))
+    assert shard["max_token_id"] == max(max(d) for d in expected)
+    assert shard["sha256"] == sha256(tmp_path / "out" / shard["tokens"])
+
+
+def test_prepare_resumes_after_an_interruption(tmp_path, builtin_tokenizer):
+    inputs = [str(write_jsonl(tmp_path / f"part{i}.jsonl", DOCUMENTS[i:] * 2)) for i in range(3)]
+    out = tmp_path / "out"
+    first = prepare_tokens(inputs, out, builtin_tokenizer, workers=2, progress=False)
+    kept = {name: (out / name).stat().st_mtime_ns for name in ("shard-00000.tokens", "shard-00002.tokens")}
+    # An interruption while shard 1 was written: its receipt and the manifest not yet there, a partial temp file.
+    (out / "manifest.json").unlink()
+    (out / "shard-00001.json").unlink()
+    (out / "shard-00001.tokens").unlink()
+    (out / "shard-00001.tokens.tmp").write_bytes(b"\x01\x02\x03")
+    second = prepare_tokens(inputs, out, builtin_tokenizer, workers=2, progress=False, verify=True)
+    assert second.shards_kept == 2 and second.tokens_written == first.manifest["shards"][1]["token_count"]
+    assert second.manifest == first.manifest
+    assert {name: (out / name).stat().st_mtime_ns for name in kept} == kept
+    assert sha256(out / "shard-00001.tokens") == first.manifest["shards"][1]["sha256"]
+
+
+def write_megatron(prefix: Path, documents: list[list[int]], dtype=np.uint16, code: int = 8,
+                   magic: bytes = b"MMIDIDX\x00\x00") -> Path:
+    """PREFIX.bin and PREFIX.idx in Megatron-LM's MMIDIDX layout, one sequence per document."""
+    lengths = np.array([len(d) for d in documents], dtype=np.int32)
+    pointers = np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)]).astype(np.int64) * np.dtype(dtype).itemsize
+    document_indices = np.arange(len(documents) + 1, dtype=np.int64)
+    Path(f"{prefix}.bin").write_bytes(np.concatenate([np.array(d, dtype=dtype) for d in documents]).tobytes())
+    with open(f"{prefix}.idx", "wb") as f:
+        f.write(magic + struct.pack("<Q", 1) + struct.pack("<B", code))
+        f.write(struct.pack("<Q", len(documents)) + struct.pack("<Q", len(document_indices)))
+        f.write(lengths.tobytes() + pointers.tobytes() + document_indices.tobytes())
+    return prefix
+
+
+MEGATRON_DOCUMENTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14]]
+
+
+def windows(dataset) -> list[tuple[list[int], list[int], list[int]]]:
+    return [(x["input"].tolist(), y.tolist(), x["positions"].tolist()) for x, y in dataset]
+
+
+def test_megatron_pair_packs_into_the_expected_windows(tmp_path):
+    prefix = str(write_megatron(tmp_path / "corpus_text_document", MEGATRON_DOCUMENTS))
+    # Each document shifted within itself, concatenated, cut into windows of 4; the rest is dropped.
+    assert windows(TokenDataset(open_tokens(prefix, "data.path"), seq_len=4)) == [
+        ([1, 2, 3, 4], [2, 3, 4, 5], [0, 1, 2, 3]),
+        ([6, 8, 9, 10], [7, 9, 10, 11], [0, 0, 1, 2]),
+    ]
+    # Two data-parallel ranks: documents 0-1 and document 2.
+    assert windows(TokenDataset(open_tokens(prefix, "data.path"), 4, dp_rank=0, dp_world_size=2)) == [
+        ([1, 2, 3, 4], [2, 3, 4, 5], [0, 1, 2, 3])]
+    assert windows(TokenDataset(open_tokens(prefix, "data.path"), 4, dp_rank=1, dp_world_size=2)) == [
+        ([8, 9, 10, 11], [9, 10, 11, 12], [0, 1, 2, 3])]
+
+
+def test_loader_resumes_mid_stream_with_the_exact_next_batch(tmp_path):
+    prefix = str(write_megatron(tmp_path / "corpus", [list(range(i * 10, i * 10 + 3 + i)) for i in range(1, 8)]))
+    config = TokenDataLoader.Config(dataset_path=prefix)
+
+    def loader():
+        return config.build(dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=5, local_batch_size=2)
+
+    running = iter(first := loader())
+    for _ in range(3):
+        next(running)
+    state = first.state_dict()
+    expected = [next(running) for _ in range(6)]  # into the second epoch
+    resumed = loader()
+    resumed.load_state_dict(state)
+    again = iter(resumed)
+    for (x, y), (u, v) in zip(expected, (next(again) for _ in range(6))):
+        assert torch.equal(x["input"], u["input"]) and torch.equal(y, v) and torch.equal(x["positions"], u["positions"])
+
+
+@pytest.fixture
+def prepared(tmp_path, builtin_tokenizer) -> Path:
+    out = tmp_path / "tokens"
+    prepare_tokens([str(write_jsonl(tmp_path / "docs.jsonl", DOCUMENTS))], out, builtin_tokenizer, workers=1, progress=False)
+    return out
+
+
+def refusal(capsys, tmp_path, *assignments: str) -> str:
+    err = fail(capsys, "train", "--run-dir", str(tmp_path / "run"),
+               *sets(*TINY, "data.source=tokens", "validation.enable=false", *assignments))
+    assert not (tmp_path / "run").exists()
+    return err
+
+
+def test_truncated_shard_is_refused(capsys, tmp_path, prepared):
+    tokens = prepared / "shard-00000.tokens"
+    size = tokens.stat().st_size
+    tokens.write_bytes(tokens.read_bytes()[:-2])
+    err = refusal(capsys, tmp_path, f"data.path={prepared}")
+    assert err == (f"titan-async: data.path = '{prepared}': shard file shard-00000.tokens has {size - 2} bytes, "
+                   f"the manifest says {size}; rerun titan-async prepare")
+
+
+def test_token_id_beyond_the_vocabulary_is_refused(capsys, tmp_path, prepared):
+    largest = json.loads((prepared / "manifest.json").read_text())["shards"][0]["max_token_id"]
+    err = refusal(capsys, tmp_path, f"data.path={prepared}", f"model.vocab_size={largest}")
+    assert err.startswith(f"titan-async: data.path = '{prepared}': holds token id {largest}, beyond the model's vocabulary of {largest}")
+
+
+def test_megatron_bad_magic_and_short_bin_are_refused(capsys, tmp_path):
+    prefix = write_megatron(tmp_path / "bad", MEGATRON_DOCUMENTS, magic=b"NOTIDX\x00\x00\x00")
+    err = refusal(capsys, tmp_path, f"data.path={prefix}")
+    assert err == f"titan-async: data.path = '{prefix}': bad.idx does not start with Megatron-LM's MMIDIDX magic"
+    prefix = write_megatron(tmp_path / "short", MEGATRON_DOCUMENTS)
+    Path(f"{prefix}.bin").write_bytes(Path(f"{prefix}.bin").read_bytes()[:-4])
+    err = refusal(capsys, tmp_path, f"data.path={prefix}")
+    assert err == f"titan-async: data.path = '{prefix}': short.bin has 24 bytes, its index points up to byte 28"
+
+
+def test_tokens_run_matches_a_files_run_of_the_same_text(tmp_path, builtin_tokenizer):
+    """The same token stream, so the same training and validation losses: torchtitan's loader reads
+    a files run's text unshuffled in its first epoch, as the tokens loader reads the shards."""
+    train = write_jsonl(tmp_path / "train.jsonl", [f"{text}\n# variant {i}\n" for i in range(40) for text in DOCUMENTS])
+    held_out = write_jsonl(tmp_path / "validation.jsonl", [f"{text}\n# held out {i}\n" for i in range(10) for text in DOCUMENTS])
+    for source in (train, held_out):
+        prepare_tokens([str(source)], tmp_path / f"{source.stem}-tokens", builtin_tokenizer, workers=1, progress=False)
+    runs = {}
+    for name, suffix in (("files", ".jsonl"), ("tokens", "-tokens")):
+        run_cli("train", "--run-dir", str(tmp_path / name),
+                *sets(*TINY, "training.steps=2", "validation.freq=2", f"data.source={name}",
+                      f"data.path={tmp_path / ('train' + suffix)}", f"data.validation_path={tmp_path / ('validation' + suffix)}"))
+        runs[name] = losses(tmp_path / name), metrics(tmp_path / name, "validation")[2]["validation_metrics/loss"]
+    assert runs["tokens"][0] == pytest.approx(runs["files"][0], rel=1e-6)
+    assert runs["tokens"][1] == pytest.approx(runs["files"][1], rel=1e-6)
+
+
+def test_prepare_refuses_bad_arguments_in_one_line(capsys, tmp_path):
+    err = fail(capsys, "prepare", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "out"))
+    assert err == f"titan-async: INPUT = '{tmp_path / 'none.jsonl'}': no jsonl/json/parquet/txt files found there"
+    source = write_jsonl(tmp_path / "docs.jsonl", DOCUMENTS)
+    err = fail(capsys, "prepare", str(source), "--out", str(tmp_path / "out"), "--tokenizer", str(tmp_path))
+    assert err == f"titan-async: --tokenizer {tmp_path}: expected a directory containing tokenizer.json"
+    err = fail(capsys, "prepare", str(source), "--out", str(tmp_path / "out"), "--text-field", "body", "--workers", "1")
+    assert err.startswith(f"titan-async: --text-field 'body': document 0 of {source} has no such field")
+
+
+def test_two_data_ranks_resume_from_a_checkpoint_exactly(tmp_path, builtin_tokenizer):
+    """Each data rank's cursor is in the checkpoint: stopped and resumed, the run has the uninterrupted losses."""
+    source = write_jsonl(tmp_path / "docs.jsonl", [f"{text}\n# variant {i}\n" for i in range(60) for text in DOCUMENTS])
+    prepare_tokens([str(source)], tmp_path / "tokens", builtin_tokenizer, workers=1, progress=False)
+    common = ("--nproc-per-node", "2", *sets(*TINY, "validation.enable=false", "data.source=tokens", f"data.path={tmp_path / 'tokens'}",
+                                             "lr_scheduler.total_steps=4", "checkpoint.interval=2"))
+    run_cli("train", "--run-dir", str(tmp_path / "full"), *common, *sets("training.steps=4"))
+    run_cli("train", "--run-dir", str(tmp_path / "split"), *common, *sets("training.steps=2"))
+    run_cli("resume", "--run-dir", str(tmp_path / "split"), "--nproc-per-node", "2", *sets("training.steps=4"))
+    full, split = losses(tmp_path / "full"), losses(tmp_path / "split")
+    assert sorted(split) == sorted(full) == [1, 2, 3, 4]
+    assert [split[step] for step in range(1, 5)] == pytest.approx([full[step] for step in range(1, 5)], rel=1e-6)
