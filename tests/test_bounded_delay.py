@@ -322,16 +322,17 @@ def test_paci_on_four_stages_with_fewer_microbatches_equals_the_independent_refe
             assert_different(differences(run, weights, ref.paci_stages(settings, batches, drains, lr_delays=control), update_of_step))
 
 
-def test_paci_on_four_stages_with_one_microbatch_flows_as_simulated(tmp_path):
-    """PACI at p = 4 with m = a = 1: stage s crosses p - 1 - s of its own local steps between a
-    microbatch's forward and backward (its rule against the hand-written reference:
-    test_pipeline_references.py); its log passes the NCCL model and the device replay."""
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_paci_on_four_stages_with_fewer_microbatches_flows_as_simulated(tmp_path, microbatches):
+    """PACI at p = 4 with m = a = 1 and 2: stage s crosses up to ceil((p - 1 - s) / a) of its own
+    local steps between a microbatch's forward and backward (its rule against the hand-written
+    reference: test_pipeline_references.py); its log passes the NCCL model and the device replay."""
     run = pipelined(tmp_path / "run", "parallelism.pipeline_parallel_schedule=PACI", "parallelism.pipeline_parallel_degree=4",
-                    FOUR_STAGES, "training.local_batch_size=1", "training.steps=10", "checkpoint.enable=false", nproc=4)
+                    FOUR_STAGES, f"training.local_batch_size={microbatches}", "training.steps=10", "checkpoint.enable=false", nproc=4)
     rows = metrics(run)
-    assert [rows[10][f"staleness_max/stage{s}"] for s in range(4)] == [3.0, 2.0, 1.0, 0.0]
+    assert [rows[10][f"staleness_max/stage{s}"] for s in range(4)] == [float(-(-(3 - s) // microbatches)) for s in range(4)]
     nccl_model.assert_nccl_safe(run / "comm", 4)
-    device_replay.assert_flows_as_simulated(run / "comm", "PACI", 4, microbatches=1, accumulation=1)
+    device_replay.assert_flows_as_simulated(run / "comm", "PACI", 4, microbatches=microbatches, accumulation=microbatches)
 
 
 def test_plan_notes_what_train_refuses_and_the_delay_with_fewer_microbatches_than_stages(capsys):
