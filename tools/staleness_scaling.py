@@ -39,7 +39,7 @@ import numpy as np
 from titan_async.cluster import staleness
 from titan_async.cluster.staleness import LAW_FILE, Law
 from titan_async.experiments.jobs import ROOT, git_state, record_config, run_job
-from titan_async.experiments.staleness_runs import Arm, Regime, Settings, best_lr, job, load_curves
+from titan_async.experiments.staleness_runs import RESCHEDULE_SHARE, Arm, Regime, Settings, best_lr, job, load_curves
 
 OUT = ROOT / "docs" / "results" / "staleness_scaling"
 RECORD = OUT / "runs.jsonl"
@@ -770,8 +770,9 @@ def write_report(record: dict[str, dict], out: Path = OUT) -> Fit | None:
         parts += ["## Longer delays", "",
                   f"PipeDream2BW with fewer microbatches than stages delays each gradient by d = ceil((p - 1) / m) steps. "
                   f"The {LONGER_DELAYS[0]} cell trained `training.gradient_delay = d` (the same rule on one process), plain, "
-                  "with error feedback (correction c d (u_t - u_{t-1}), c = 1) and with weight prediction (horizon h d, h = 1), "
-                  "at the cell's lrs; ln(1/eta) on the cell's synchronous slope. "
+                  "with error feedback (correction c d (u_t - u_{t-1}), c = 1), with weight prediction (horizon h d, h = 1) "
+                  "and with the lr rescheduled (`lr_scheduler.delay_rescheduling_steps`: divided by d ** (1 - min(k / K, 1)) "
+                  f"at step k, K = {RESCHEDULE_SHARE:.0%} of the steps), at the cell's lrs; ln(1/eta) on the cell's synchronous slope. "
                   "marin's published Muon figures for comparison: delay 2 +0.14, +0.066 with prediction. Recovered: the share "
                   "of the plain delay's ln(1/eta) the corrector removes at the same d.", "", longer, "",
                   "![validation curves at each delay, seed 0](longer_delays.png)", ""]
