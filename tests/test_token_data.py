@@ -17,6 +17,8 @@ from test_bad_input import fail
 from titan_async.data.prepare import prepare_tokens
 from titan_async.data.sources import DataSection, tokenizer_dir
 from titan_async.data.token_files import open_tokens, sha256
+from titan_async.data.mixture import MixtureSchedule
+from titan_async.data.packed_windows import PackedWindows
 from titan_async.data.token_loader import TokenDataLoader, TokenDataset
 
 DOCUMENTS = ["def add(a, b):\n    return a + b\n", "hello world", "", "import os\nprint(os.getcwd())\n" * 3,
@@ -94,23 +96,74 @@ def windows(dataset) -> list[tuple[list[int], list[int], list[int]]]:
     return [(x["input"].tolist(), y.tolist(), x["positions"].tolist()) for x, y in dataset]
 
 
+def dataset(*prefixes: str, seq_len: int, stage_steps=(0,), stage_weights=((1.0,),), **kwargs) -> TokenDataset:
+    sources = [PackedWindows(open_tokens(prefix, "data.path"), seq_len) for prefix in prefixes]
+    return TokenDataset(sources, MixtureSchedule(tuple(stage_steps), tuple(stage_weights)), **kwargs)
+
+
 def test_megatron_pair_packs_into_the_expected_windows(tmp_path):
     prefix = str(write_megatron(tmp_path / "corpus_text_document", MEGATRON_DOCUMENTS))
     # Each document shifted within itself, concatenated, cut into windows of 4; the rest is dropped.
-    assert windows(TokenDataset(open_tokens(prefix, "data.path"), seq_len=4)) == [
+    assert windows(dataset(prefix, seq_len=4)) == [
         ([1, 2, 3, 4], [2, 3, 4, 5], [0, 1, 2, 3]),
         ([6, 8, 9, 10], [7, 9, 10, 11], [0, 0, 1, 2]),
     ]
-    # Two data-parallel ranks: documents 0-1 and document 2.
-    assert windows(TokenDataset(open_tokens(prefix, "data.path"), 4, dp_rank=0, dp_world_size=2)) == [
-        ([1, 2, 3, 4], [2, 3, 4, 5], [0, 1, 2, 3])]
-    assert windows(TokenDataset(open_tokens(prefix, "data.path"), 4, dp_rank=1, dp_world_size=2)) == [
-        ([8, 9, 10, 11], [9, 10, 11, 12], [0, 1, 2, 3])]
+
+
+# The windows of 2 tokens of MEGATRON_DOCUMENTS, numbered in corpus order (13 -> 14 is dropped).
+WINDOWS_OF_2 = [([1, 2], [2, 3], [0, 1]), ([3, 4], [4, 5], [0, 1]), ([6, 8], [7, 9], [0, 0]),
+                ([9, 10], [10, 11], [0, 1]), ([11, 12], [12, 13], [0, 1])]
+
+
+def test_data_ranks_take_turns_in_one_global_order(tmp_path):
+    prefix = str(write_megatron(tmp_path / "corpus", MEGATRON_DOCUMENTS))
+    # Rounds of 2 ranks x 1 sample: rank 0 gets windows 0, 2; rank 1 gets 1, 3; the round of
+    # window 4 would need a sixth window, so the data ends there on both ranks.
+    ranks = [windows(dataset(prefix, seq_len=2, dp_rank=r, dp_world_size=2)) for r in range(2)]
+    assert ranks == [[WINDOWS_OF_2[0], WINDOWS_OF_2[2]], [WINDOWS_OF_2[1], WINDOWS_OF_2[3]]]
+    # Looping: window 4, then the second epoch from window 0.
+    looping = iter(dataset(prefix, seq_len=2, dp_rank=1, dp_world_size=2, infinite=True))
+    assert windows(next(looping) for _ in range(3)) == [WINDOWS_OF_2[1], WINDOWS_OF_2[3], WINDOWS_OF_2[0]]
+
+
+def packed(documents: list[list[int]], seq_len: int) -> list[tuple[list[int], list[int], list[int]]]:
+    """Independent reference: the documents shifted, concatenated, cut into windows (rest dropped)."""
+    stream = [(t, u, p) for d in documents for p, (t, u) in enumerate(zip(d, d[1:]))]
+    cuts = [stream[i : i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
+    result = []
+    for cut in cuts:
+        positions, last = [], None
+        for t, u, p in cut:  # positions restart at each document and at each window
+            positions.append(0 if last is None else (positions[-1] + 1 if p == last + 1 else 0))
+            last = p
+        result.append(([t for t, _, _ in cut], [u for _, u, _ in cut], positions))
+    return result
+
+
+def test_state_of_two_data_ranks_continues_on_one_and_on_three(tmp_path):
+    documents = MEGATRON_DOCUMENTS * 4
+    prefix = str(write_megatron(tmp_path / "corpus", documents))
+    order = packed(documents, 2) * 2  # the global order, two epochs
+    assert order[:5] == WINDOWS_OF_2
+    two = [dataset(prefix, seq_len=2, dp_rank=r, dp_world_size=2, local_batch_size=2, infinite=True) for r in range(2)]
+    running = [iter(d) for d in two]
+    seen = [windows(next(rank) for _ in range(2)) for _ in range(3) for rank in running]  # 3 batches of 2 per rank
+    assert [w for batch in seen for w in batch] == order[:12]
+    state = two[1].state_dict()
+    assert state == two[0].state_dict()
+    for width in (1, 3):
+        resumed = []
+        for r in range(width):
+            data = dataset(prefix, seq_len=2, dp_rank=r, dp_world_size=width, local_batch_size=2, infinite=True)
+            data.load_state_dict(state)
+            resumed.append(iter(data))
+        rounds = [windows(next(rank) for _ in range(2)) for _ in range(4) for rank in resumed]
+        assert [w for batch in rounds for w in batch] == order[12 : 12 + 8 * width]
 
 
 def test_loader_resumes_mid_stream_with_the_exact_next_batch(tmp_path):
     prefix = str(write_megatron(tmp_path / "corpus", [list(range(i * 10, i * 10 + 3 + i)) for i in range(1, 8)]))
-    config = TokenDataLoader.Config(dataset_path=prefix)
+    config = TokenDataLoader.Config(sources=[prefix], source_keys=["data.path"])
 
     def loader():
         return config.build(dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=5, local_batch_size=2)
@@ -193,15 +246,28 @@ def test_prepare_refuses_bad_arguments_in_one_line(capsys, tmp_path):
     assert err.startswith(f"titan-async: --text-field 'body': document 0 of {source} has no such field")
 
 
-def test_two_data_ranks_resume_from_a_checkpoint_exactly(tmp_path, builtin_tokenizer):
-    """Each data rank's cursor is in the checkpoint: stopped and resumed, the run has the uninterrupted losses."""
+def logged_samples(batches: Path) -> list[list[int]]:
+    """Every sample's input tokens that the ranks logged (TITAN_ASYNC_BATCH_LOG)."""
+    records = [json.loads(line) for path in sorted(batches.glob("rank*.jsonl")) for line in path.read_text().splitlines()]
+    return [row for record in records for row in record["input"]]
+
+
+def test_resume_on_fewer_data_ranks_continues_the_global_order(tmp_path, builtin_tokenizer):
+    """2 data ranks for 2 steps, then 1 for 2 more (global batch 8): each of the corpus's first 4 x 8
+    windows is trained on exactly once, and the losses are those of 2 ranks throughout."""
     source = write_jsonl(tmp_path / "docs.jsonl", [f"{text}\n# variant {i}\n" for i in range(60) for text in DOCUMENTS])
     prepare_tokens([str(source)], tmp_path / "tokens", builtin_tokenizer, workers=1, progress=False)
-    common = ("--nproc-per-node", "2", *sets(*TINY, "validation.enable=false", "data.source=tokens", f"data.path={tmp_path / 'tokens'}",
-                                             "lr_scheduler.total_steps=4", "checkpoint.interval=2"))
-    run_cli("train", "--run-dir", str(tmp_path / "full"), *common, *sets("training.steps=4"))
-    run_cli("train", "--run-dir", str(tmp_path / "split"), *common, *sets("training.steps=2"))
-    run_cli("resume", "--run-dir", str(tmp_path / "split"), "--nproc-per-node", "2", *sets("training.steps=4"))
+    manifest = json.loads((tmp_path / "tokens" / "manifest.json").read_text())
+    documents = [d for shard in manifest["shards"] for d in shard_documents(tmp_path / "tokens", shard, manifest["dtype"])]
+    expected = sorted(inputs for inputs, _, _ in packed(documents, 64)[:32])
+    assert len({tuple(w) for w in expected}) == 32
+    common = sets(*TINY, "validation.enable=false", "data.source=tokens", f"data.path={tmp_path / 'tokens'}",
+                  "training.global_batch_size=8", "lr_scheduler.total_steps=4", "checkpoint.interval=2")
+    env = {"TITAN_ASYNC_BATCH_LOG": str(tmp_path / "batches")}
+    run_cli("train", "--run-dir", str(tmp_path / "full"), "--nproc-per-node", "2", *common, *sets("training.steps=4"))
+    run_cli("train", "--run-dir", str(tmp_path / "split"), "--nproc-per-node", "2", *common, *sets("training.steps=2"), env=env)
+    run_cli("resume", "--run-dir", str(tmp_path / "split"), "--nproc-per-node", "1", *sets("training.steps=4"), env=env)
+    assert sorted(logged_samples(tmp_path / "batches")) == expected
     full, split = losses(tmp_path / "full"), losses(tmp_path / "split")
     assert sorted(split) == sorted(full) == [1, 2, 3, 4]
-    assert [split[step] for step in range(1, 5)] == pytest.approx([full[step] for step in range(1, 5)], rel=1e-6)
+    assert [split[step] for step in range(1, 5)] == pytest.approx([full[step] for step in range(1, 5)], rel=1e-5)

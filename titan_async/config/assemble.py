@@ -14,6 +14,7 @@ from titan_async.config.run_config import RunConfig, set_value
 from titan_async.core import platform
 from titan_async.core.errors import UserError
 from titan_async.data.sources import prepare
+from titan_async.data.token_loader import TokenDataLoader
 from titan_async.model.hf_weights import check_hf_weights
 from titan_async.model.llama import build_model_spec
 from titan_async.optim.section import ON_RESUME
@@ -157,6 +158,11 @@ def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncT
     if run.checkpoint.initial_load_in_hf:
         check_hf_weights(run.checkpoint.initial_load_path, model_spec, run.source)
     validator = dataclasses.replace(run.validation, dataloader=data.validation_loader)
+    train_loader = data.train_loader
+    if isinstance(train_loader, TokenDataLoader.Config):
+        dp = run.data_parallel_degree(world_size)
+        samples_per_step = run.training.global_batch_size if run.training.global_batch_size > 0 else run.training.local_batch_size * dp
+        train_loader = dataclasses.replace(train_loader, samples_per_step=samples_per_step)
     activation_checkpoint = ACTIVATION_CHECKPOINTS[run.activation_checkpoint.mode]
     try:
         return AsyncTrainer.Config(
@@ -164,7 +170,7 @@ def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncT
             hf_assets_path=str(data.tokenizer_dir),
             dump_folder=str(run_dir),
             loss=CrossEntropyLoss.Config(global_vocab_size=model_spec.model.vocab_size),
-            dataloader=data.train_loader,
+            dataloader=train_loader,
             validator=validator,
             optimizer=run.optimizer.container_config(
                 pipeline_delay(run.training, run.parallelism, run.data_parallel_degree(world_size), run.microbatches())),
