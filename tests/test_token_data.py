@@ -17,7 +17,7 @@ from test_bad_input import fail
 from titan_async.data.prepare import prepare_tokens
 from titan_async.data.sources import DataSection, tokenizer_dir
 from titan_async.data.token_files import open_tokens, sha256
-from titan_async.data.mixture import MixtureSchedule
+from titan_async.data.mixture import MixtureSchedule, MixtureState, next_sample
 from titan_async.data.packed_windows import PackedWindows
 from titan_async.data.token_loader import TokenDataLoader, TokenDataset
 
@@ -271,3 +271,61 @@ def test_resume_on_fewer_data_ranks_continues_the_global_order(tmp_path, builtin
     full, split = losses(tmp_path / "full"), losses(tmp_path / "split")
     assert sorted(split) == sorted(full) == [1, 2, 3, 4]
     assert [split[step] for step in range(1, 5)] == pytest.approx([full[step] for step in range(1, 5)], rel=1e-5)
+
+
+def test_blend_follows_the_weights_deterministically():
+    # Weights 3:1 -> 0.75, 0.25: the source with the largest w * (i + 1) - n, ties to the first.
+    state = MixtureState(0, [0, 0], [0, 0])
+    schedule = MixtureSchedule((0,), ((3.0, 1.0),))
+    assert [next_sample(schedule, state, 0) for _ in range(8)] == [
+        (0, 0), (0, 1), (1, 0), (0, 2), (0, 3), (0, 4), (1, 1), (0, 5)]
+    assert state == MixtureState(0, [6, 2], [6, 2])
+
+
+def test_mixture_and_stages_in_the_global_order_resume_on_another_width(tmp_path):
+    a = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18]]
+    b = [[101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117]]
+    paths = str(write_megatron(tmp_path / "a", a)), str(write_megatron(tmp_path / "b", b))
+    wa, wb = packed(a, 2), packed(b, 2)
+    # Weights 3:1 on 2 ranks x 2 samples: samples A0 A1 B0 A2 | A3 A4 B1 A5.
+    mixed = [iter(dataset(*paths, seq_len=2, stage_weights=((3.0, 1.0),), dp_rank=r, dp_world_size=2,
+                          local_batch_size=2, infinite=True)) for r in range(2)]
+    assert [windows(next(mixed[r]) for _ in range(2)) for r in range(2)] == [[wa[0], wa[1]], [wb[0], wa[2]]]
+    assert [windows(next(mixed[r]) for _ in range(2)) for r in range(2)] == [[wa[3], wa[4]], [wb[1], wa[5]]]
+    # Stages of 4 samples a step: only A in step 0, only B in step 1, then 1:1 from a fresh count (A first on the tie).
+    staged = dataset(*paths, seq_len=2, stage_steps=(0, 1, 2), stage_weights=((1.0, 0.0), (0.0, 1.0), (1.0, 1.0)),
+                     local_batch_size=2, samples_per_step=4, infinite=True)
+    running = iter(staged)
+    assert windows(next(running) for _ in range(4)) == [wa[0], wa[1], wa[2], wa[3]]
+    state = staged.state_dict()
+    assert state == {"sample": 4, "step": 1, "stage": 0, "stage_counts": [4, 0], "positions": [4, 0]}
+    resumed = [dataset(*paths, seq_len=2, stage_steps=(0, 1, 2), stage_weights=((1.0, 0.0), (0.0, 1.0), (1.0, 1.0)),
+                       dp_rank=r, dp_world_size=2, local_batch_size=1, samples_per_step=4, infinite=True) for r in range(2)]
+    for data in resumed:
+        data.load_state_dict(state)
+    running = [iter(data) for data in resumed]
+    assert [windows([next(running[r])]) for _ in range(4) for r in range(2)] == [
+        [wb[0]], [wb[1]], [wb[2]], [wb[3]], [wa[4]], [wb[4]], [wa[5]], [wb[5]]]
+
+
+@pytest.mark.parametrize("assignments, message", [
+    (["data.weights=[0.5, -0.5]"], "data.weights = [0.5, -0.5]: weights must be non-negative"),
+    (["data.weights=[0, 0]"], "data.weights = [0.0, 0.0]: the weights sum to zero; give at least one source a positive weight"),
+    (["data.weights=[1, 2, 3]"], "data.weights has 3 entries, data.paths has 2: give one per source"),
+    (["data.names=['x']"], "data.names has 1 entries, data.paths has 2: give one per source"),
+    (["data.stage_steps=[0, 5, 5]", "data.stage_weights=[[1, 0], [0, 1], [1, 1]]"],
+     "data.stage_steps = [0, 5, 5]: expected steps strictly increasing from 0, one per stage"),
+    (["data.stage_steps=[1]", "data.stage_weights=[[1, 0]]"], "data.stage_steps = [1]: expected steps strictly increasing from 0, one per stage"),
+    (["data.stage_steps=[0, 5]", "data.stage_weights=[[1, 0]]"],
+     "data.stage_weights has 1 stages, data.stage_steps has 2: give one weight list per stage"),
+    (["data.stage_steps=[0]", "data.stage_weights=[[1, 0, 1]]"],
+     "data.stage_weights[0] has 3 weights, data.paths has 2: give one per source"),
+])
+def test_bad_mixtures_are_refused_in_one_line(capsys, tmp_path, prepared, assignments, message):
+    err = refusal(capsys, tmp_path, f"data.paths=['{prepared}', '{prepared}']", "data.names=['a', 'b']", *assignments)
+    assert err == f"titan-async: {message}"
+
+
+def test_missing_mixture_source_is_refused(capsys, tmp_path, prepared):
+    err = refusal(capsys, tmp_path, f"data.paths=['{prepared}', '{tmp_path / 'none'}']", "data.weights=[1, 1]")
+    assert err.startswith(f"titan-async: data.paths[1] = '{tmp_path / 'none'}': expected a directory with manifest.json")
