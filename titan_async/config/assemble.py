@@ -22,6 +22,7 @@ from titan_async.parallel.expert import with_expert_parallel_backend
 from titan_async.pipeline.config import pipeline_delay
 from titan_async.pipeline.schedules import register as register_schedules, streaming_schedule
 from titan_async.pipeline.split import split_stages
+from titan_async.train.source_validation import SourceValidator
 from titan_async.train.trainer import AsyncTrainer
 
 ACTIVATION_CHECKPOINTS = {"none": None, "selective": SelectiveAC.Config, "full": FullAC.Config}
@@ -158,6 +159,10 @@ def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncT
     if run.checkpoint.initial_load_in_hf:
         check_hf_weights(run.checkpoint.initial_load_path, model_spec, run.source)
     validator = dataclasses.replace(run.validation, dataloader=data.validation_loader)
+    if data.validation_sources:
+        validator = SourceValidator.Config(**{f.name: getattr(validator, f.name) for f in dataclasses.fields(validator)},
+                                           source_names=list(data.validation_sources),
+                                           source_loaders=list(data.validation_sources.values()))
     train_loader = data.train_loader
     if isinstance(train_loader, TokenDataLoader.Config):
         dp = run.data_parallel_degree(world_size)

@@ -72,6 +72,8 @@ class PreparedData:
     tokenizer_dir: Path
     largest_token_ids: dict[str, tuple[str, int]] = field(default_factory=dict)
     """key -> (its value, the largest token id in that data)."""
+    validation_sources: dict[str, BaseDataLoader.Config] = field(default_factory=dict)
+    """A mixture's sources by name -> the loader of that source's validation data (validated apart)."""
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """UserError naming the key whose data holds a token id the model's vocabulary lacks."""
@@ -195,4 +197,8 @@ def _token_loaders(data: DataSection, need_validation: bool) -> PreparedData:
                                    stage_steps=list(sources.stage_steps), stage_weights=[list(w) for w in sources.stage_weights])
     validation = TokenDataLoader.Config(sources=list(sources.validation_paths), source_keys=list(sources.validation_keys),
                                         stage_weights=[list(sources.stage_weights[0])], infinite=False)
-    return PreparedData(train, validation, tokenizer, largest)
+    apart = {}
+    if len(sources.validation_paths) > 1:
+        apart = {name: TokenDataLoader.Config(sources=[path], source_keys=[key], infinite=False)
+                 for name, path, key in zip(sources.names, sources.validation_paths, sources.validation_keys)}
+    return PreparedData(train, validation, tokenizer, largest, apart)
