@@ -334,9 +334,10 @@ def test_missing_mixture_source_is_refused(capsys, tmp_path, prepared):
 @pytest.mark.parametrize("launch", [[], ["--config", "train_configs/debug_cpu_pp2.toml", "--nproc-per-node", "2",
                                          "--set", "parallelism.pipeline_parallel_schedule=PipeDream2BW",
                                          "--set", "parallelism.pipeline_parallel_microbatch_size=2"]], ids=["tiny", "pp2-2bw"])
-def test_resume_across_a_stage_switch_has_the_uninterrupted_losses(tmp_path, builtin_tokenizer, launch):
+def test_resume_across_a_stage_switch_has_the_uninterrupted_losses(capsys, tmp_path, builtin_tokenizer, launch):
     """Weights 3:1 for steps 1-2 and 1:3 from step 3, stopped at step 2: the samples follow the
-    blending rule by hand, and the losses are those of the uninterrupted run."""
+    blending rule by hand, and the losses are those of the uninterrupted run. A resume that
+    changes the number of sources is refused."""
     for name, texts in (("a", [f"{text}\n# variant {i}\n" for i in range(20) for text in DOCUMENTS]),
                         ("b", [f"Lorem ipsum {i} dolor sit amet, consectetur adipiscing elit.\n" * 3 for i in range(80)])):
         prepare_tokens([str(write_jsonl(tmp_path / f"{name}.jsonl", texts))], tmp_path / name, builtin_tokenizer, workers=1, progress=False)
@@ -346,6 +347,11 @@ def test_resume_across_a_stage_switch_has_the_uninterrupted_losses(tmp_path, bui
     env = {"TITAN_ASYNC_BATCH_LOG": str(tmp_path / "batches")}
     run_cli("train", "--run-dir", str(tmp_path / "full"), *common, *sets("training.steps=4"))
     run_cli("train", "--run-dir", str(tmp_path / "split"), *common, *sets("training.steps=2"), env=env)
+    err = fail(capsys, "resume", "--run-dir", str(tmp_path / "split"), *sets(
+        f"data.paths=['{tmp_path / 'a'}', '{tmp_path / 'b'}', '{tmp_path / 'a'}']", "data.stage_weights=[[1, 1, 1], [1, 1, 1]]",
+        "data.names=['a', 'b', 'a2']"))
+    assert err.startswith("titan-async: data.source, data.paths: the checkpoints hold state for 'the tokens loader with 2 sources', "
+                          "resume cannot switch to 'the tokens loader with 3 sources'")
     run_cli("resume", "--run-dir", str(tmp_path / "split"), *launch[2:4], *sets("training.steps=4"), env=env)
     full, split = losses(tmp_path / "full"), losses(tmp_path / "split")
     assert sorted(split) == sorted(full) == [1, 2, 3, 4]
@@ -384,3 +390,8 @@ def test_each_source_is_validated_apart_and_reported(capsys, tmp_path, builtin_t
     assert cli_in_process(capsys, "report", "--run-dir", str(tmp_path / "mixture"))[0] == 0
     page = (tmp_path / "mixture" / "report" / "report.html").read_text()
     assert f"final validation loss, lorem</td><td>{row['validation_metrics/loss/lorem']:.4f} (step 2)" in page
+
+
+def test_mixture_keys_are_refused_for_text_sources(capsys, tmp_path):
+    err = fail(capsys, "train", "--run-dir", str(tmp_path / "run"), *sets(*TINY, "data.weights=[1, 2]"))
+    assert err == "titan-async: data.weights applies to data.source = 'tokens' only"

@@ -80,7 +80,15 @@ def checkpoint_contents(run: RunConfig) -> dict[str, object]:
         **{key: attrgetter(key)(run) for key, reason in ON_RESUME.items() if reason},
         "parallelism.pipeline_parallel_schedule/pipeline_parallel_degree/emulated_stages, training.gradient_delay": versions,
         "training.clipping": run.training.clipping,
+        "data.source, data.paths": _loader_state(run),
     }
+
+
+def _loader_state(run: RunConfig) -> str:
+    """The kind of data-loader state a checkpoint holds: the token loader's has one position per source."""
+    if run.data.source != "tokens":
+        return f"the {run.data.source} loader"
+    return f"the tokens loader with {len(run.data.paths) or 1} source{'s' if len(run.data.paths) > 1 else ''}"
 
 
 _SWITCH_ADVICE = "start a new run (train --run-dir NEW), or keep the setting"

@@ -136,6 +136,9 @@ def tokenizer_dir(data: DataSection, builtin: Path | None = None) -> Path:
 
 def prepare(data: DataSection, need_validation: bool) -> PreparedData:
     """Register or open the data sets `data` describes (building the stdlib corpus if needed)."""
+    for key in MIXTURE_KEYS:
+        if data.source != "tokens" and getattr(data, key):
+            raise UserError(f"data.{key} applies to data.source = 'tokens' only")
     if data.source == "stdlib":
         from titan_async.data.stdlib_corpus import ensure_corpus, register_datasets
 
@@ -144,9 +147,6 @@ def prepare(data: DataSection, need_validation: bool) -> PreparedData:
         return _text_loaders(train, validation, tokenizer_dir(data, files.tokenizer_dir))
     if data.source == "tokens":
         return _token_loaders(data, need_validation)
-    for key in MIXTURE_KEYS:
-        if getattr(data, key):
-            raise UserError(f"data.{key} applies to data.source = 'tokens' only")
     if not data.path:
         raise UserError(f"data.path is required when data.source = {data.source!r}")
     if need_validation and not data.validation_path and data.source == "files":

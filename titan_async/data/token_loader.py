@@ -15,7 +15,6 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass, field
 
-import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
