@@ -1,9 +1,11 @@
 """The deterministic order in which a weighted mixture of sources is sampled, by stages.
 
-Within a stage (the steps from one of `stage_steps` to the next), Megatron-LM's blending rule: the
-i-th sample of the stage (i from 0) comes from the source s with the largest w_s * (i + 1) - n_s,
-where w_s are the stage's weights normalized to sum to 1 and n_s counts the stage's samples taken
-from s so far (ties: the first such source). No random numbers: after any prefix every source's
+Within a stage (the steps from one of `stage_steps` to the next), the rule of Megatron-LM's blended
+data set: the i-th sample of the stage (i from 0) comes from the source s with the largest
+w_s * (i + 1) - n_s, where w_s are the stage's weights normalized to sum to 1 and n_s counts the
+stage's samples taken from s so far (ties: the first such source). Megatron-LM's helpers.cpp
+multiplies by max(i, 1) instead of i + 1, which targets samples 0 and 1 alike; i + 1 is the count
+the source should have after sample i. No random numbers: after any prefix every source's
 count is within 1 of its share, and the order continues exactly from the counts. Each source keeps
 its own position (the windows it has served, over all stages).
 """
