@@ -12,11 +12,13 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from conftest import TINY, losses, metrics, run_cli, sets
+from conftest import TINY, cli_in_process, losses, metrics, run_cli, sets
 from test_bad_input import fail
 from titan_async.data.prepare import prepare_tokens
 from titan_async.data.sources import DataSection, tokenizer_dir
 from titan_async.data.token_files import open_tokens, sha256
+from titan_async.data.mixture import MixtureSchedule, MixtureState, next_sample
+from titan_async.data.packed_windows import PackedWindows
 from titan_async.data.token_loader import TokenDataLoader, TokenDataset
 
 DOCUMENTS = ["def add(a, b):\n    return a + b\n", "hello world", "", "import os\nprint(os.getcwd())\n" * 3,
@@ -94,23 +96,74 @@ def windows(dataset) -> list[tuple[list[int], list[int], list[int]]]:
     return [(x["input"].tolist(), y.tolist(), x["positions"].tolist()) for x, y in dataset]
 
 
+def dataset(*prefixes: str, seq_len: int, stage_steps=(0,), stage_weights=((1.0,),), **kwargs) -> TokenDataset:
+    sources = [PackedWindows(open_tokens(prefix, "data.path"), seq_len) for prefix in prefixes]
+    return TokenDataset(sources, MixtureSchedule(tuple(stage_steps), tuple(stage_weights)), **kwargs)
+
+
 def test_megatron_pair_packs_into_the_expected_windows(tmp_path):
     prefix = str(write_megatron(tmp_path / "corpus_text_document", MEGATRON_DOCUMENTS))
     # Each document shifted within itself, concatenated, cut into windows of 4; the rest is dropped.
-    assert windows(TokenDataset(open_tokens(prefix, "data.path"), seq_len=4)) == [
+    assert windows(dataset(prefix, seq_len=4)) == [
         ([1, 2, 3, 4], [2, 3, 4, 5], [0, 1, 2, 3]),
         ([6, 8, 9, 10], [7, 9, 10, 11], [0, 0, 1, 2]),
     ]
-    # Two data-parallel ranks: documents 0-1 and document 2.
-    assert windows(TokenDataset(open_tokens(prefix, "data.path"), 4, dp_rank=0, dp_world_size=2)) == [
-        ([1, 2, 3, 4], [2, 3, 4, 5], [0, 1, 2, 3])]
-    assert windows(TokenDataset(open_tokens(prefix, "data.path"), 4, dp_rank=1, dp_world_size=2)) == [
-        ([8, 9, 10, 11], [9, 10, 11, 12], [0, 1, 2, 3])]
+
+
+# The windows of 2 tokens of MEGATRON_DOCUMENTS, numbered in corpus order (13 -> 14 is dropped).
+WINDOWS_OF_2 = [([1, 2], [2, 3], [0, 1]), ([3, 4], [4, 5], [0, 1]), ([6, 8], [7, 9], [0, 0]),
+                ([9, 10], [10, 11], [0, 1]), ([11, 12], [12, 13], [0, 1])]
+
+
+def test_data_ranks_take_turns_in_one_global_order(tmp_path):
+    prefix = str(write_megatron(tmp_path / "corpus", MEGATRON_DOCUMENTS))
+    # Rounds of 2 ranks x 1 sample: rank 0 gets windows 0, 2; rank 1 gets 1, 3; the round of
+    # window 4 would need a sixth window, so the data ends there on both ranks.
+    ranks = [windows(dataset(prefix, seq_len=2, dp_rank=r, dp_world_size=2)) for r in range(2)]
+    assert ranks == [[WINDOWS_OF_2[0], WINDOWS_OF_2[2]], [WINDOWS_OF_2[1], WINDOWS_OF_2[3]]]
+    # Looping: window 4, then the second epoch from window 0.
+    looping = iter(dataset(prefix, seq_len=2, dp_rank=1, dp_world_size=2, infinite=True))
+    assert windows(next(looping) for _ in range(3)) == [WINDOWS_OF_2[1], WINDOWS_OF_2[3], WINDOWS_OF_2[0]]
+
+
+def packed(documents: list[list[int]], seq_len: int) -> list[tuple[list[int], list[int], list[int]]]:
+    """Independent reference: the documents shifted, concatenated, cut into windows (rest dropped)."""
+    stream = [(t, u, p) for d in documents for p, (t, u) in enumerate(zip(d, d[1:]))]
+    cuts = [stream[i : i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
+    result = []
+    for cut in cuts:
+        positions, last = [], None
+        for t, u, p in cut:  # positions restart at each document and at each window
+            positions.append(0 if last is None else (positions[-1] + 1 if p == last + 1 else 0))
+            last = p
+        result.append(([t for t, _, _ in cut], [u for _, u, _ in cut], positions))
+    return result
+
+
+def test_state_of_two_data_ranks_continues_on_one_and_on_three(tmp_path):
+    documents = MEGATRON_DOCUMENTS * 4
+    prefix = str(write_megatron(tmp_path / "corpus", documents))
+    order = packed(documents, 2) * 2  # the global order, two epochs
+    assert order[:5] == WINDOWS_OF_2
+    two = [dataset(prefix, seq_len=2, dp_rank=r, dp_world_size=2, local_batch_size=2, infinite=True) for r in range(2)]
+    running = [iter(d) for d in two]
+    seen = [windows(next(rank) for _ in range(2)) for _ in range(3) for rank in running]  # 3 batches of 2 per rank
+    assert [w for batch in seen for w in batch] == order[:12]
+    state = two[1].state_dict()
+    assert state == two[0].state_dict()
+    for width in (1, 3):
+        resumed = []
+        for r in range(width):
+            data = dataset(prefix, seq_len=2, dp_rank=r, dp_world_size=width, local_batch_size=2, infinite=True)
+            data.load_state_dict(state)
+            resumed.append(iter(data))
+        rounds = [windows(next(rank) for _ in range(2)) for _ in range(4) for rank in resumed]
+        assert [w for batch in rounds for w in batch] == order[12 : 12 + 8 * width]
 
 
 def test_loader_resumes_mid_stream_with_the_exact_next_batch(tmp_path):
     prefix = str(write_megatron(tmp_path / "corpus", [list(range(i * 10, i * 10 + 3 + i)) for i in range(1, 8)]))
-    config = TokenDataLoader.Config(dataset_path=prefix)
+    config = TokenDataLoader.Config(sources=[prefix], source_keys=["data.path"])
 
     def loader():
         return config.build(dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=5, local_batch_size=2)
@@ -193,15 +246,154 @@ def test_prepare_refuses_bad_arguments_in_one_line(capsys, tmp_path):
     assert err.startswith(f"titan-async: --text-field 'body': document 0 of {source} has no such field")
 
 
-def test_two_data_ranks_resume_from_a_checkpoint_exactly(tmp_path, builtin_tokenizer):
-    """Each data rank's cursor is in the checkpoint: stopped and resumed, the run has the uninterrupted losses."""
+def logged_samples(batches: Path) -> list[list[int]]:
+    """Every sample's input tokens that the ranks logged (TITAN_ASYNC_BATCH_LOG)."""
+    records = [json.loads(line) for path in sorted(batches.glob("rank*.jsonl")) for line in path.read_text().splitlines()]
+    return [row for record in records for row in record["input"]]
+
+
+def test_resume_on_another_number_of_data_ranks_continues_the_global_order(tmp_path, builtin_tokenizer):
+    """2 data ranks for 2 steps then 1 for 2 more, and 1 then 2 (global batch 8): each of the corpus's
+    first 4 x 8 windows is trained on exactly once, and the losses are those of 2 ranks throughout."""
     source = write_jsonl(tmp_path / "docs.jsonl", [f"{text}\n# variant {i}\n" for i in range(60) for text in DOCUMENTS])
     prepare_tokens([str(source)], tmp_path / "tokens", builtin_tokenizer, workers=1, progress=False)
-    common = ("--nproc-per-node", "2", *sets(*TINY, "validation.enable=false", "data.source=tokens", f"data.path={tmp_path / 'tokens'}",
-                                             "lr_scheduler.total_steps=4", "checkpoint.interval=2"))
+    manifest = json.loads((tmp_path / "tokens" / "manifest.json").read_text())
+    documents = [d for shard in manifest["shards"] for d in shard_documents(tmp_path / "tokens", shard, manifest["dtype"])]
+    expected = sorted(inputs for inputs, _, _ in packed(documents, 64)[:32])
+    assert len({tuple(w) for w in expected}) == 32
+    common = sets(*TINY, "validation.enable=false", "data.source=tokens", f"data.path={tmp_path / 'tokens'}",
+                  "training.global_batch_size=8", "lr_scheduler.total_steps=4", "checkpoint.interval=2")
+    run_cli("train", "--run-dir", str(tmp_path / "full"), "--nproc-per-node", "2", *common, *sets("training.steps=4"))
+    full = losses(tmp_path / "full")
+    assert sorted(full) == [1, 2, 3, 4]
+    for first, then in ((2, 1), (1, 2)):
+        run, env = tmp_path / f"{first}-then-{then}", {"TITAN_ASYNC_BATCH_LOG": str(tmp_path / f"batches-{first}-{then}")}
+        run_cli("train", "--run-dir", str(run), "--nproc-per-node", str(first), *common, *sets("training.steps=2"), env=env)
+        run_cli("resume", "--run-dir", str(run), "--nproc-per-node", str(then), *sets("training.steps=4"), env=env)
+        assert sorted(logged_samples(tmp_path / f"batches-{first}-{then}")) == expected
+        split = losses(run)
+        assert [split[step] for step in range(1, 5)] == pytest.approx([full[step] for step in range(1, 5)], rel=1e-5)
+
+
+def test_blend_follows_the_weights_deterministically():
+    # Weights 3:1 -> 0.75, 0.25: the source with the largest w * (i + 1) - n, ties to the first.
+    state = MixtureState(0, [0, 0], [0, 0])
+    schedule = MixtureSchedule((0,), ((3.0, 1.0),))
+    assert [next_sample(schedule, state, 0) for _ in range(8)] == [
+        (0, 0), (0, 1), (1, 0), (0, 2), (0, 3), (0, 4), (1, 1), (0, 5)]
+    assert state == MixtureState(0, [6, 2], [6, 2])
+
+
+def test_mixture_and_stages_in_the_global_order_resume_on_another_width(tmp_path):
+    a = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18]]
+    b = [[101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117]]
+    paths = str(write_megatron(tmp_path / "a", a)), str(write_megatron(tmp_path / "b", b))
+    wa, wb = packed(a, 2), packed(b, 2)
+    # Weights 3:1 on 2 ranks x 2 samples: samples A0 A1 B0 A2 | A3 A4 B1 A5.
+    mixed = [iter(dataset(*paths, seq_len=2, stage_weights=((3.0, 1.0),), dp_rank=r, dp_world_size=2,
+                          local_batch_size=2, infinite=True)) for r in range(2)]
+    assert [windows(next(mixed[r]) for _ in range(2)) for r in range(2)] == [[wa[0], wa[1]], [wb[0], wa[2]]]
+    assert [windows(next(mixed[r]) for _ in range(2)) for r in range(2)] == [[wa[3], wa[4]], [wb[1], wa[5]]]
+    # Stages of 4 samples a step: only A in step 0, only B in step 1, then 1:1 from a fresh count (A first on the tie).
+    staged = dataset(*paths, seq_len=2, stage_steps=(0, 1, 2), stage_weights=((1.0, 0.0), (0.0, 1.0), (1.0, 1.0)),
+                     local_batch_size=2, samples_per_step=4, infinite=True)
+    running = iter(staged)
+    assert windows(next(running) for _ in range(4)) == [wa[0], wa[1], wa[2], wa[3]]
+    state = staged.state_dict()
+    assert state == {"sample": 4, "step": 1, "stage": 0, "stage_counts": [4, 0], "positions": [4, 0]}
+    resumed = [dataset(*paths, seq_len=2, stage_steps=(0, 1, 2), stage_weights=((1.0, 0.0), (0.0, 1.0), (1.0, 1.0)),
+                       dp_rank=r, dp_world_size=2, local_batch_size=1, samples_per_step=4, infinite=True) for r in range(2)]
+    for data in resumed:
+        data.load_state_dict(state)
+    running = [iter(data) for data in resumed]
+    assert [windows([next(running[r])]) for _ in range(4) for r in range(2)] == [
+        [wb[0]], [wb[1]], [wb[2]], [wb[3]], [wa[4]], [wb[4]], [wa[5]], [wb[5]]]
+
+
+@pytest.mark.parametrize("assignments, message", [
+    (["data.weights=[0.5, -0.5]"], "data.weights = [0.5, -0.5]: weights must be non-negative"),
+    (["data.weights=[0, 0]"], "data.weights = [0.0, 0.0]: the weights sum to zero; give at least one source a positive weight"),
+    (["data.weights=[1, 2, 3]"], "data.weights has 3 entries, data.paths has 2: give one per source"),
+    (["data.names=['x']"], "data.names has 1 entries, data.paths has 2: give one per source"),
+    (["data.stage_steps=[0, 5, 5]", "data.stage_weights=[[1, 0], [0, 1], [1, 1]]"],
+     "data.stage_steps = [0, 5, 5]: expected steps strictly increasing from 0, one per stage"),
+    (["data.stage_steps=[1]", "data.stage_weights=[[1, 0]]"], "data.stage_steps = [1]: expected steps strictly increasing from 0, one per stage"),
+    (["data.stage_steps=[0, 5]", "data.stage_weights=[[1, 0]]"],
+     "data.stage_weights has 1 stages, data.stage_steps has 2: give one weight list per stage"),
+    (["data.stage_steps=[0]", "data.stage_weights=[[1, 0, 1]]"],
+     "data.stage_weights[0] has 3 weights, data.paths has 2: give one per source"),
+])
+def test_bad_mixtures_are_refused_in_one_line(capsys, tmp_path, prepared, assignments, message):
+    err = refusal(capsys, tmp_path, f"data.paths=['{prepared}', '{prepared}']", "data.names=['a', 'b']", *assignments)
+    assert err == f"titan-async: {message}"
+
+
+def test_missing_mixture_source_is_refused(capsys, tmp_path, prepared):
+    err = refusal(capsys, tmp_path, f"data.paths=['{prepared}', '{tmp_path / 'none'}']", "data.weights=[1, 1]")
+    assert err.startswith(f"titan-async: data.paths[1] = '{tmp_path / 'none'}': expected a directory with manifest.json")
+
+
+@pytest.mark.parametrize("launch", [[], ["--config", "train_configs/debug_cpu_pp2.toml", "--nproc-per-node", "2",
+                                         "--set", "parallelism.pipeline_parallel_schedule=PipeDream2BW",
+                                         "--set", "parallelism.pipeline_parallel_microbatch_size=2"]], ids=["tiny", "pp2-2bw"])
+def test_resume_across_a_stage_switch_has_the_uninterrupted_losses(capsys, tmp_path, builtin_tokenizer, launch):
+    """Weights 3:1 for steps 1-2 and 1:3 from step 3, stopped at step 2: the samples follow the
+    blending rule by hand, and the losses are those of the uninterrupted run. A resume that
+    changes the number of sources is refused."""
+    for name, texts in (("a", [f"{text}\n# variant {i}\n" for i in range(20) for text in DOCUMENTS]),
+                        ("b", [f"Lorem ipsum {i} dolor sit amet, consectetur adipiscing elit.\n" * 3 for i in range(80)])):
+        prepare_tokens([str(write_jsonl(tmp_path / f"{name}.jsonl", texts))], tmp_path / name, builtin_tokenizer, workers=1, progress=False)
+    common = [*launch, *sets(*TINY, "validation.enable=false", "data.source=tokens", f"data.paths=['{tmp_path / 'a'}', '{tmp_path / 'b'}']",
+                             "data.stage_steps=[0, 2]", "data.stage_weights=[[3, 1], [1, 3]]", "lr_scheduler.total_steps=4",
+                             "checkpoint.interval=2")]
+    env = {"TITAN_ASYNC_BATCH_LOG": str(tmp_path / "batches")}
     run_cli("train", "--run-dir", str(tmp_path / "full"), *common, *sets("training.steps=4"))
-    run_cli("train", "--run-dir", str(tmp_path / "split"), *common, *sets("training.steps=2"))
-    run_cli("resume", "--run-dir", str(tmp_path / "split"), "--nproc-per-node", "2", *sets("training.steps=4"))
+    run_cli("train", "--run-dir", str(tmp_path / "split"), *common, *sets("training.steps=2"), env=env)
+    err = fail(capsys, "resume", "--run-dir", str(tmp_path / "split"), *sets(
+        f"data.paths=['{tmp_path / 'a'}', '{tmp_path / 'b'}', '{tmp_path / 'a'}']", "data.stage_weights=[[1, 1, 1], [1, 1, 1]]",
+        "data.names=['a', 'b', 'a2']"))
+    assert err.startswith("titan-async: data.source, data.paths: the checkpoints hold state for 'the tokens loader with 2 sources', "
+                          "resume cannot switch to 'the tokens loader with 3 sources'")
+    run_cli("resume", "--run-dir", str(tmp_path / "split"), *launch[2:4], *sets("training.steps=4"), env=env)
     full, split = losses(tmp_path / "full"), losses(tmp_path / "split")
     assert sorted(split) == sorted(full) == [1, 2, 3, 4]
     assert [split[step] for step in range(1, 5)] == pytest.approx([full[step] for step in range(1, 5)], rel=1e-6)
+    reference = {}
+    for name in ("a", "b"):
+        manifest = json.loads((tmp_path / name / "manifest.json").read_text())
+        documents = [d for shard in manifest["shards"] for d in shard_documents(tmp_path / name, shard, manifest["dtype"])]
+        reference.update({tuple(inputs): f"{name}{w}" for w, (inputs, _, _) in enumerate(packed(documents, 64))})
+    rows = [row for line in (tmp_path / "batches" / "rank0.jsonl").read_text().splitlines() for row in json.loads(line)["input"]]
+    assert [reference[tuple(row)] for row in rows] == ["a0", "a1", "b0", "a2", "a3", "a4", "b1", "a5",
+                                                       "b2", "a6", "b3", "b4", "b5", "a7", "b6", "b7"]
+
+
+def test_each_source_is_validated_apart_and_reported(capsys, tmp_path, builtin_tokenizer):
+    """A mixture with weights [1, 0] trains as a run on its first source alone: its validation loss per
+    source is what such runs log on that source's validation data, and the report shows both."""
+    texts = {"a": [f"{text}\n# variant {i}\n" for i in range(20) for text in DOCUMENTS],
+             "b": [f"Lorem ipsum {i} dolor sit amet, consectetur adipiscing elit.\n" * 3 for i in range(80)],
+             "va": [f"{text}\n# held out {i}\n" for i in range(5) for text in DOCUMENTS],
+             "vb": [f"Lorem ipsum {i} sed do eiusmod tempor.\n" * 3 for i in range(20)]}
+    for name, documents in texts.items():
+        prepare_tokens([str(write_jsonl(tmp_path / f"{name}.jsonl", documents))], tmp_path / name, builtin_tokenizer, workers=1, progress=False)
+    common = sets(*TINY, "training.steps=2", "validation.freq=2", "data.source=tokens")
+    for held_out in ("va", "vb"):
+        run_cli("train", "--run-dir", str(tmp_path / f"alone-{held_out}"),
+                *common, *sets(f"data.path={tmp_path / 'a'}", f"data.validation_path={tmp_path / held_out}"))
+    run_cli("train", "--run-dir", str(tmp_path / "mixture"), *common,
+            *sets(f"data.paths=['{tmp_path / 'a'}', '{tmp_path / 'b'}']", "data.weights=[1, 0]", "data.names=['code', 'lorem']",
+                  f"data.validation_paths=['{tmp_path / 'va'}', '{tmp_path / 'vb'}']"))
+    alone = {held_out: metrics(tmp_path / f"alone-{held_out}", "validation")[2]["validation_metrics/loss"] for held_out in ("va", "vb")}
+    row = metrics(tmp_path / "mixture", "validation")[2]
+    assert row["validation_metrics/loss/code"] == pytest.approx(alone["va"], rel=1e-6)
+    assert row["validation_metrics/loss/lorem"] == pytest.approx(alone["vb"], rel=1e-6)
+    assert row["validation_metrics/loss"] == pytest.approx(alone["va"], rel=1e-6)  # the mixture's weights: va only
+    assert cli_in_process(capsys, "report", "--run-dir", str(tmp_path / "mixture"))[0] == 0
+    page = (tmp_path / "mixture" / "report" / "report.html").read_text()
+    assert f"final validation loss, lorem</td><td>{row['validation_metrics/loss/lorem']:.4f} (step 2)" in page
+
+
+def test_mixture_keys_are_refused_for_text_sources(capsys, tmp_path):
+    err = fail(capsys, "train", "--run-dir", str(tmp_path / "run"), *sets(*TINY, "data.weights=[1, 2]"))
+    assert err == "titan-async: data.weights applies to data.source = 'tokens' only"

@@ -29,6 +29,7 @@ def draw_plots(record: RunRecord, folder: Path) -> list[tuple[str, str, Path]]:
     loss_lines = [("training loss", *series(record.train, TRAIN_LOSS))]
     if record.validation:
         loss_lines.append(("validation loss", *series(record.validation, VALIDATION_LOSS)))
+        loss_lines += [(f"validation loss, {name}", *steps_losses) for name, steps_losses in source_series(record).items()]
     line_chart(folder / "loss.png", "loss", "cross-entropy", loss_lines)
     plots.append(("loss", "Training loss and validation loss per step", folder / "loss.png"))
     line_chart(folder / "throughput.png", "throughput", "tokens/s per device",
@@ -49,6 +50,13 @@ def draw_plots(record: RunRecord, folder: Path) -> list[tuple[str, str, Path]]:
         plots.append(("pipeline", "Pipeline timeline of the traced steps: forwards blue, backwards green, optimizer steps red",
                       folder / "timeline.png"))
     return plots
+
+
+def source_series(record: RunRecord) -> dict[str, tuple[list[int], list[float]]]:
+    """A token mixture's sources by name -> (steps, validation losses), as `validation_metrics/loss/<name>` logged them."""
+    prefix = f"{VALIDATION_LOSS}/"
+    names = sorted({key.removeprefix(prefix) for row in record.validation.values() for key in row if key.startswith(prefix)})
+    return {name: series(record.validation, prefix + name) for name in names}
 
 
 def _staleness_lines(record: RunRecord) -> list[tuple[str, list[int], list[float]]]:
@@ -91,6 +99,8 @@ def summary(record: RunRecord) -> list[tuple[str, str]]:
     if val_steps:
         rows.append(("final validation loss", f"{val_losses[-1]:.4f} (step {val_steps[-1]})"))
         rows.append(("best validation loss", f"{min(val_losses):.4f}"))
+    for name, (steps, source_losses) in source_series(record).items():
+        rows.append((f"final validation loss, {name}", f"{source_losses[-1]:.4f} (step {steps[-1]})"))
     _, tps = series(record.train, THROUGHPUT)
     if tps:
         median = statistics.median(tps[1:] or tps)

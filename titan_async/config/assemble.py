@@ -14,6 +14,7 @@ from titan_async.config.run_config import RunConfig, set_value
 from titan_async.core import platform
 from titan_async.core.errors import UserError
 from titan_async.data.sources import prepare
+from titan_async.data.token_loader import TokenDataLoader
 from titan_async.model.hf_weights import check_hf_weights
 from titan_async.model.llama import build_model_spec
 from titan_async.optim.section import ON_RESUME
@@ -21,6 +22,7 @@ from titan_async.parallel.expert import with_expert_parallel_backend
 from titan_async.pipeline.config import pipeline_delay
 from titan_async.pipeline.schedules import register as register_schedules, streaming_schedule
 from titan_async.pipeline.split import split_stages
+from titan_async.train.source_validation import SourceValidator
 from titan_async.train.trainer import AsyncTrainer
 
 ACTIVATION_CHECKPOINTS = {"none": None, "selective": SelectiveAC.Config, "full": FullAC.Config}
@@ -78,7 +80,15 @@ def checkpoint_contents(run: RunConfig) -> dict[str, object]:
         **{key: attrgetter(key)(run) for key, reason in ON_RESUME.items() if reason},
         "parallelism.pipeline_parallel_schedule/pipeline_parallel_degree/emulated_stages, training.gradient_delay": versions,
         "training.clipping": run.training.clipping,
+        "data.source, data.paths": _loader_state(run),
     }
+
+
+def _loader_state(run: RunConfig) -> str:
+    """The kind of data-loader state a checkpoint holds: the token loader's has one position per source."""
+    if run.data.source != "tokens":
+        return f"the {run.data.source} loader"
+    return f"the tokens loader with {len(run.data.paths) or 1} source{'s' if len(run.data.paths) > 1 else ''}"
 
 
 _SWITCH_ADVICE = "start a new run (train --run-dir NEW), or keep the setting"
@@ -157,6 +167,15 @@ def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncT
     if run.checkpoint.initial_load_in_hf:
         check_hf_weights(run.checkpoint.initial_load_path, model_spec, run.source)
     validator = dataclasses.replace(run.validation, dataloader=data.validation_loader)
+    if data.validation_sources:
+        validator = SourceValidator.Config(**{f.name: getattr(validator, f.name) for f in dataclasses.fields(validator)},
+                                           source_names=list(data.validation_sources),
+                                           source_loaders=list(data.validation_sources.values()))
+    train_loader = data.train_loader
+    if isinstance(train_loader, TokenDataLoader.Config):
+        dp = run.data_parallel_degree(world_size)
+        samples_per_step = run.training.global_batch_size if run.training.global_batch_size > 0 else run.training.local_batch_size * dp
+        train_loader = dataclasses.replace(train_loader, samples_per_step=samples_per_step)
     activation_checkpoint = ACTIVATION_CHECKPOINTS[run.activation_checkpoint.mode]
     try:
         return AsyncTrainer.Config(
@@ -164,7 +183,7 @@ def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncT
             hf_assets_path=str(data.tokenizer_dir),
             dump_folder=str(run_dir),
             loss=CrossEntropyLoss.Config(global_vocab_size=model_spec.model.vocab_size),
-            dataloader=data.train_loader,
+            dataloader=train_loader,
             validator=validator,
             optimizer=run.optimizer.container_config(
                 pipeline_delay(run.training, run.parallelism, run.data_parallel_degree(world_size), run.microbatches())),

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from titan_async.core.errors import UserError
+from titan_async.data.token_sources import MIXTURE_KEYS, token_sources
 
 if TYPE_CHECKING:
     from torchtitan.components.dataloader import BaseDataLoader
@@ -34,6 +35,18 @@ class DataSection:
     tokens: a directory `titan-async prepare` wrote, or a Megatron-LM PREFIX (PREFIX.bin + PREFIX.idx)."""
     validation_path: str = ""
     """files, tokens: held-out data, given as data.path is (needed when validation is on)."""
+    paths: list[str] = field(default_factory=list)
+    """tokens: several sources, mixed (instead of data.path); each as data.path would be."""
+    weights: list[float] = field(default_factory=list)
+    """tokens: each source's share of the samples, one per data.paths entry (empty: equal)."""
+    names: list[str] = field(default_factory=list)
+    """tokens: each source's name in logs and metrics (empty: the last component of its path)."""
+    stage_steps: list[int] = field(default_factory=list)
+    """tokens: the steps at which the mixture changes, strictly increasing from 0 (with data.stage_weights)."""
+    stage_weights: list[list[float]] = field(default_factory=list)
+    """tokens: one weight list per stage of data.stage_steps, one weight per source."""
+    validation_paths: list[str] = field(default_factory=list)
+    """tokens: held-out data per source of data.paths, each validated and logged apart."""
     hf_subset: str = ""
     """hf: the data set's configuration name (e.g. en), if it has several."""
     train_split: str = "train"
@@ -59,6 +72,8 @@ class PreparedData:
     tokenizer_dir: Path
     largest_token_ids: dict[str, tuple[str, int]] = field(default_factory=dict)
     """key -> (its value, the largest token id in that data)."""
+    validation_sources: dict[str, BaseDataLoader.Config] = field(default_factory=dict)
+    """A mixture's sources by name -> the loader of that source's validation data (validated apart)."""
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """UserError naming the key whose data holds a token id the model's vocabulary lacks."""
@@ -121,18 +136,21 @@ def tokenizer_dir(data: DataSection, builtin: Path | None = None) -> Path:
 
 def prepare(data: DataSection, need_validation: bool) -> PreparedData:
     """Register or open the data sets `data` describes (building the stdlib corpus if needed)."""
+    for key in MIXTURE_KEYS:
+        if data.source != "tokens" and getattr(data, key):
+            raise UserError(f"data.{key} applies to data.source = 'tokens' only")
     if data.source == "stdlib":
         from titan_async.data.stdlib_corpus import ensure_corpus, register_datasets
 
         files = ensure_corpus(vocab_size=data.vocab_size)
         train, validation = register_datasets(files)
         return _text_loaders(train, validation, tokenizer_dir(data, files.tokenizer_dir))
-    if not data.path:
-        raise UserError(f"data.path is required when data.source = {data.source!r}")
-    if need_validation and not data.validation_path and data.source in ("files", "tokens"):
-        raise UserError(f"data.validation_path is required when validation.enable = true and data.source = {data.source!r}")
     if data.source == "tokens":
         return _token_loaders(data, need_validation)
+    if not data.path:
+        raise UserError(f"data.path is required when data.source = {data.source!r}")
+    if need_validation and not data.validation_path and data.source == "files":
+        raise UserError(f"data.validation_path is required when validation.enable = true and data.source = {data.source!r}")
     if data.source == "files":
         builder, files = text_files(data.path, "data.path")
         train = _register("files", data.path, partial(_load_files, builder=builder, files=files), data.text_field)
@@ -163,15 +181,24 @@ def _token_loaders(data: DataSection, need_validation: bool) -> PreparedData:
     from titan_async.data.token_files import open_tokens, sha256
     from titan_async.data.token_loader import TokenDataLoader
 
+    if need_validation and data.path and not data.validation_path:
+        raise UserError("data.validation_path is required when validation.enable = true and data.source = 'tokens'")
+    sources = token_sources(data, need_validation)
     tokenizer = tokenizer_dir(data, None)
-    keys = {"data.path": data.path, **({"data.validation_path": data.validation_path} if need_validation else {})}
     largest = {}
-    for key, path in keys.items():
+    for key, path in zip(sources.keys + sources.validation_keys, sources.paths + sources.validation_paths):
         corpus = open_tokens(path, key)
         if corpus.tokenizer_sha256 and corpus.tokenizer_sha256 != sha256(tokenizer / "tokenizer.json"):
             raise UserError(f"{key} = {path!r}: was tokenized by another tokenizer.json than data.tokenizer's "
                             f"({str(tokenizer)!r}); prepare it with that tokenizer, or set data.tokenizer to the one it used")
         if corpus.max_token_id is not None:
             largest[key] = (path, corpus.max_token_id)
-    return PreparedData(TokenDataLoader.Config(dataset_path=data.path),
-                        TokenDataLoader.Config(dataset_path=data.validation_path, infinite=False), tokenizer, largest)
+    train = TokenDataLoader.Config(sources=list(sources.paths), source_keys=list(sources.keys),
+                                   stage_steps=list(sources.stage_steps), stage_weights=[list(w) for w in sources.stage_weights])
+    validation = TokenDataLoader.Config(sources=list(sources.validation_paths), source_keys=list(sources.validation_keys),
+                                        stage_weights=[list(sources.stage_weights[0])], infinite=False)
+    apart = {}
+    if len(sources.validation_paths) > 1:
+        apart = {name: TokenDataLoader.Config(sources=[path], source_keys=[key], infinite=False)
+                 for name, path, key in zip(sources.names, sources.validation_paths, sources.validation_keys)}
+    return PreparedData(train, validation, tokenizer, largest, apart)

@@ -59,6 +59,10 @@ class TokenPart:
         start = int(self.starts[index])
         return self.tokens[start : start + int(self.lengths[index])]
 
+    def lengths_between(self, start: int, stop: int) -> np.ndarray:
+        """The lengths of documents start..stop-1, as int64."""
+        return np.asarray(self.lengths[start:stop], dtype=np.int64)
+
 
 @dataclass(frozen=True)
 class TokenCorpus:
@@ -76,9 +80,18 @@ class TokenCorpus:
         return int(self._ends[-1]) if self.parts else 0
 
     def document(self, index: int) -> np.ndarray:
-        part = int(np.searchsorted(self._ends, index, side="right"))
-        first = int(self._ends[part - 1]) if part else 0
+        part, first = self._part(index)
         return self.parts[part].document(index - first)
+
+    def lengths_between(self, start: int, stop: int) -> np.ndarray:
+        """The lengths of documents start..stop-1 (stop clipped to the end of start's part), as int64."""
+        part, first = self._part(start)
+        return self.parts[part].lengths_between(start - first, min(stop, int(self._ends[part])) - first)
+
+    def _part(self, index: int) -> tuple[int, int]:
+        """The part that holds document `index`, and the index of that part's first document."""
+        part = int(np.searchsorted(self._ends, index, side="right"))
+        return part, int(self._ends[part - 1]) if part else 0
 
 
 def open_tokens(path: str, key: str) -> TokenCorpus:
@@ -142,7 +155,10 @@ class _Lengths:
     def __len__(self) -> int:
         return len(self._offsets) - 1
 
-    def __getitem__(self, index: int) -> int:
+    def __getitem__(self, index: int | slice) -> int | np.ndarray:
+        if isinstance(index, slice):
+            start, stop, _ = index.indices(len(self))
+            return np.diff(self._offsets[start : max(start, stop) + 1])
         return int(self._offsets[index + 1] - self._offsets[index])
 
 

@@ -1,86 +1,96 @@
 """torchtitan's stateful data loader over token files (`data.source = "tokens"`).
 
-Packs documents exactly as torchtitan's `HuggingFaceTextDataset` does: each document's tokens are
-shifted within the document (inputs tokens[:-1], labels tokens[1:], so no label crosses into the
-next document), concatenated, and cut into `seq_len` windows with per-document positions that
-restart at 0 at each document and at each window. The data-parallel ranks split the documents into
-contiguous ranges as `datasets.distributed.split_dataset_by_node` splits a map-style data set. The
-state is a cursor (epoch, document, token offset), so resume is exact and small. Later epochs
-repeat the rank's documents in the same order.
+Every source is packed as torchtitan's `HuggingFaceTextDataset` packs (packed_windows.py). The run
+reads one global sequence of samples, whatever the data-parallel width: global sample g (from 0,
+over the whole run) is the next window of the source the mixture schedule draws at g's step
+(mixture.py); one source is a mixture of one. Samples are served in rounds of
+dp_world_size x local_batch_size: in the round that starts at global sample b, data rank r gets
+samples b + r * local_batch_size ... b + (r + 1) * local_batch_size - 1 as its batch. A step takes
+whole rounds, so after every step the run has consumed a prefix of the order, and a run resumed on
+another number of data ranks continues it with no sample repeated or skipped.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import pickle
+from dataclasses import dataclass, field
 
-import numpy as np
-import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
-from titan_async.data.token_files import TokenCorpus, open_tokens
+from titan_async.data.mixture import MixtureSchedule, MixtureState, next_sample
+from titan_async.data.packed_windows import PackedWindows
+from titan_async.data.token_files import open_tokens
 
-
-def rank_documents(documents: int, dp_rank: int, dp_world_size: int) -> range:
-    """The contiguous documents of `dp_rank`, as `datasets`' `Dataset.shard(contiguous=True)` assigns them."""
-    div, mod = divmod(documents, dp_world_size)
-    start = div * dp_rank + min(dp_rank, mod)
-    return range(start, start + div + (1 if dp_rank < mod else 0))
+STATE_KEY = "dp_rank_0"
+"""The one key the loader's checkpointed state is saved and loaded under, on every rank: the state
+is the same on all of them, so a checkpoint of any data-parallel width loads on any other."""
 
 
 class TokenDataset(IterableDataset, Stateful):
-    """`seq_len` windows of one data-parallel rank's documents: ({"input", "positions"}, labels)."""
+    """Data rank `dp_rank`'s samples of the global order: ({"input", "positions"}, labels).
 
-    def __init__(self, corpus: TokenCorpus, seq_len: int, dp_rank: int = 0, dp_world_size: int = 1, infinite: bool = False):
-        self._corpus = corpus
-        self._documents = rank_documents(len(corpus), dp_rank, dp_world_size)
-        self.seq_len = seq_len
+    `samples_per_step` (a multiple of a round) maps samples to steps, which pick the mixture's stage.
+    With `infinite`, a source past its end starts over (same order); otherwise the data ends before
+    the first round that would need a window past a source's end, on every rank alike. The state,
+    the same on every rank after each batch: the next global sample, the step it falls in, and the
+    mixture's state.
+    """
+
+    def __init__(self, sources: list[PackedWindows], schedule: MixtureSchedule, *, dp_rank: int = 0,
+                 dp_world_size: int = 1, local_batch_size: int = 1, samples_per_step: int = 0, infinite: bool = False):
+        self._sources, self._schedule = sources, schedule
+        self._dp_rank, self._local_batch_size = dp_rank, local_batch_size
+        self._round = dp_world_size * local_batch_size
+        self._samples_per_step = samples_per_step or self._round
         self.infinite = infinite
-        self._epoch = 0
-        self._document = 0
-        """Index into this rank's documents of the next document to read from."""
-        self._offset = 0
-        """Tokens of that document's shifted stream already yielded."""
+        self._sample, self._step_base, self._sample_base = 0, 0, 0
+        self._mixture = MixtureState(0, [0] * len(sources), [0] * len(sources))
+
+    def _step_of(self, sample: int) -> int:
+        return self._step_base + (sample - self._sample_base) // self._samples_per_step
 
     def __iter__(self):
-        while (window := self._next_window()) is not None:
-            inputs, labels, positions = window
-            yield {"input": inputs, "positions": positions}, labels
+        while (drawn := self._next_round()) is not None:
+            first = self._dp_rank * self._local_batch_size
+            for source, window in drawn[first : first + self._local_batch_size]:
+                windows = self._sources[source]
+                if window and window % len(windows) == 0:
+                    logger.warning(f"Token source {source} is being re-looped (epoch {window // len(windows)})")
+                inputs, labels, positions = windows.window(window % len(windows))
+                yield {"input": inputs, "positions": positions}, labels
 
-    def _next_window(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        inputs, labels, positions, need = [], [], [], self.seq_len
-        empty_in_a_row = 0
-        while need:
-            if self._document == len(self._documents):
-                if not self.infinite or empty_in_a_row >= len(self._documents):
-                    logger.warning("Token data set has run out of data")
-                    return None
-                self._epoch, self._document, self._offset = self._epoch + 1, 0, 0
-                logger.warning(f"Token data set is being re-looped (epoch {self._epoch})")
-            tokens = self._corpus.document(self._documents[self._document])
-            take = min(need, len(tokens) - 1 - self._offset)
-            if take <= 0:
-                empty_in_a_row += self._offset == 0
-                self._document, self._offset = self._document + 1, 0
-                continue
-            inputs.append(tokens[self._offset : self._offset + take])
-            labels.append(tokens[self._offset + 1 : self._offset + 1 + take])
-            positions.append(np.arange(take))
-            need -= take
-            self._offset += take
-            empty_in_a_row = 0
-        return tuple(torch.from_numpy(np.concatenate(part).astype(np.int64)) for part in (inputs, labels, positions))
+    def _next_round(self) -> list[tuple[int, int]] | None:
+        """(source, window) of every sample of the next round, and the state moved past it; None
+        (state kept) when the data has run out."""
+        mixture = MixtureState(self._mixture.stage, list(self._mixture.stage_counts), list(self._mixture.positions))
+        drawn = [next_sample(self._schedule, mixture, self._step_of(self._sample + i)) for i in range(self._round)]
+        for source, window in drawn:
+            if not len(self._sources[source]):
+                raise ValueError(f"token source {source} holds no window of {self._sources[source].seq_len} tokens")
+            if not self.infinite and window >= len(self._sources[source]):
+                logger.warning("Token data set has run out of data")
+                return None
+        self._sample, self._mixture = self._sample + self._round, mixture
+        return drawn
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self._epoch, "document": self._document, "offset": self._offset, "documents": len(self._documents)}
+    def state_dict(self) -> dict:
+        return {"sample": self._sample, "step": self._step_of(self._sample), "stage": self._mixture.stage,
+                "stage_counts": list(self._mixture.stage_counts), "positions": list(self._mixture.positions)}
 
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        if state_dict["documents"] != len(self._documents):
-            raise ValueError(f"the checkpoint's data rank read {state_dict['documents']} documents, "
-                             f"this one has {len(self._documents)}: the token data changed")
-        self._epoch, self._document, self._offset = state_dict["epoch"], state_dict["document"], state_dict["offset"]
+    def load_state_dict(self, state_dict: dict) -> None:
+        if "sample" not in state_dict:
+            raise ValueError("the checkpoint's token loader state is of the per-rank document split, "
+                             "which this version cannot continue; start a new run")
+        if len(state_dict["positions"]) != len(self._sources):
+            raise ValueError(f"the checkpoint's token data had {len(state_dict['positions'])} sources, "
+                             f"this run has {len(self._sources)}")
+        self._sample = self._sample_base = state_dict["sample"]
+        self._step_base = state_dict["step"]
+        self._mixture = MixtureState(state_dict["stage"], list(state_dict["stage_counts"]), list(state_dict["positions"]))
 
 
 class TokenDataLoader(ParallelAwareDataloader):
@@ -88,13 +98,25 @@ class TokenDataLoader(ParallelAwareDataloader):
 
     @dataclass(kw_only=True, slots=True)
     class Config(ParallelAwareDataloader.Config):
+        sources: list[str] = field(default_factory=list)
+        """Each source's directory or Megatron-LM prefix."""
+        source_keys: list[str] = field(default_factory=list)
+        """The config key that names each source, for messages."""
+        stage_steps: list[int] = field(default_factory=lambda: [0])
+        """The first step of each stage of the mixture."""
+        stage_weights: list[list[float]] = field(default_factory=lambda: [[1.0]])
+        """Each stage's weight per source."""
+        samples_per_step: int = 0
+        """Global samples a step takes (the global batch size); 0: one round of the data ranks."""
         infinite: bool = True
         """Whether to loop over the data without end."""
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, seq_len: int, local_batch_size: int,
                  snapshot_every_n_steps: int | None = 1, **kwargs):
-        dataset = TokenDataset(open_tokens(config.dataset_path or "", "data.path"), seq_len, dp_rank, dp_world_size,
-                               config.infinite)
+        sources = [PackedWindows(open_tokens(path, key), seq_len) for path, key in zip(config.sources, config.source_keys)]
+        schedule = MixtureSchedule(tuple(config.stage_steps), tuple(map(tuple, config.stage_weights)))
+        dataset = TokenDataset(sources, schedule, dp_rank=dp_rank, dp_world_size=dp_world_size, local_batch_size=local_batch_size,
+                               samples_per_step=config.samples_per_step, infinite=config.infinite)
         super().__init__(
             dataset,
             dp_rank=dp_rank,
@@ -106,3 +128,16 @@ class TokenDataLoader(ParallelAwareDataloader):
             prefetch_factor=config.prefetch_factor,
             snapshot_every_n_steps=snapshot_every_n_steps,
         )
+
+    def state_dict(self) -> dict:
+        """The state under STATE_KEY on every rank (the same state), with the width that saved it."""
+        return {STATE_KEY: pickle.dumps(StatefulDataLoader.state_dict(self)), "world_size": self.dp_world_size}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads the state whatever width saved it (torchtitan's loader refuses another width)."""
+        if not state_dict:
+            return
+        if state_dict["world_size"] != self.dp_world_size:
+            logger.info(f"Token loader: continuing the global sample order of {state_dict['world_size']} "
+                        f"data ranks on {self.dp_world_size}")
+        StatefulDataLoader.load_state_dict(self, pickle.loads(state_dict[STATE_KEY]))

@@ -24,11 +24,21 @@ def policy_names(model: torch.nn.Module, policy) -> list[str]:
     return [canonical_name(name) for name, _ in named]
 
 
+RNG = "rng"
+"""The checkpointer's name for `RNGState`."""
+
+
 class RNGState(Stateful):
     """This rank's torch (CPU and CUDA) and Python RNG states, keyed by rank in checkpoints."""
 
     def __init__(self) -> None:
         self.key = f"rank{dist.get_rank()}"
+
+    def saved_in(self, saved_keys, name: str) -> bool:
+        """Whether a checkpoint whose flattened keys are `saved_keys` holds this rank's states (as
+        state `name`): not when it was saved by fewer processes than this rank's number."""
+        prefix = f"{name}.{self.key}."
+        return any(key.startswith(prefix) for key in saved_keys)
 
     def state_dict(self) -> dict[str, Any]:
         state = {"torch": torch.get_rng_state(), "python": random.getstate()}

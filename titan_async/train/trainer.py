@@ -38,7 +38,7 @@ from titan_async.optim import write_param_group_table
 from titan_async.parallel.fsdp_traffic import count_fsdp_traffic
 from titan_async.pipeline.schedules import StreamingSchedule
 from titan_async.train.benchmarks import EvalSection, PeriodicBenchmarks
-from titan_async.train.checkpoint_state import RNGState, configured_over_loaded, keep_weight_versions
+from titan_async.train.checkpoint_state import RNG, RNGState, configured_over_loaded, keep_weight_versions
 from titan_async.train.delayed_steps import DelayedSteps
 from titan_async.train.health import HealthGuard, HealthSection
 from titan_async.train.late_read import LateAllReduce
@@ -115,7 +115,7 @@ class AsyncTrainer(Trainer):
         if config.debug.seed is not None:
             reinitialize_by_name(self.model_parts, config.debug.seed)
         if self.checkpointer.enable:
-            self.checkpointer.states["rng"] = RNGState()
+            self.checkpointer.states[RNG] = RNGState()
             verify_loads(self.checkpointer)
         if config.validator.enable:
             self.validator.last_step = config.training.steps

@@ -36,6 +36,7 @@ from torchtitan.components.checkpointer.base import MODEL
 
 from titan_async.core.errors import AgreedError, UserError
 from titan_async.rundir import checkpoints, checksums
+from titan_async.train.checkpoint_state import RNG, RNGState
 
 
 def share_out(wanted: list[tuple[str, list[str]]], sizes: dict[str, int]) -> list[list[str]]:
@@ -103,6 +104,7 @@ def verify_loads(checkpointer) -> None:
     def dcp_load(state_dict, checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         if from_hf:
             return torchtitan_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        state_dict = without_absent_rng_state(state_dict, checkpoint_id)
         try:
             dcp.load(state_dict, storage_reader=VerifyingReader(checkpoint_id))
         except CheckpointException as failure:
@@ -115,6 +117,16 @@ def verify_loads(checkpointer) -> None:
 
     checkpointer.dcp_load = dcp_load
     load_intact(checkpointer)
+
+
+def without_absent_rng_state(state_dict: dict, checkpoint_id: str) -> dict:
+    """`state_dict` without this rank's RNG states when the checkpoint has none for it (saved by
+    fewer processes): that rank keeps the RNG states it was seeded with."""
+    rng = state_dict.get(RNG)
+    if not isinstance(rng, RNGState) or rng.saved_in(FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata, RNG):
+        return state_dict
+    logging.getLogger("titan_async").warning(f"{checkpoint_id} holds no RNG states for {rng.key} (saved by fewer processes); it keeps its seeded ones")
+    return {key: value for key, value in state_dict.items() if key != RNG}
 
 
 def load_intact(checkpointer) -> None:
