@@ -67,12 +67,15 @@ def _just_outside(key: str) -> list[float]:
     return outside
 
 
-def _document(key: str, value: float) -> dict:
+def _document(key: str, value: float, hint) -> dict:
+    """The TOML document that sets `key` to `value`, wrapped in as many lists as its type `hint` nests."""
     *sections, name = key.split(".")
     document = table = {}
     for section in sections:
         table = table.setdefault(section, {})
-    table[name] = [value] if key == "health.inject_nonfinite_steps" else value
+    while typing.get_origin(hint) is list:
+        value, hint = [value], typing.get_args(hint)[0]
+    table[name] = value
     return document
 
 
@@ -82,11 +85,12 @@ def test_each_key_refuses_the_values_just_outside_its_range(key):
     section = build_run_config({}, "defaults")
     for part in path:
         section = getattr(section, part)
-    integer = "integer" in describe(settable_fields(type(section))[name])
+    hint = settable_fields(type(section))[name]
+    integer = "integer" in describe(hint)
     for value in _just_outside(key):
         value = int(value) if integer else float(value)
         with pytest.raises(UserError) as error:
-            build_run_config(_document(key, value), "t.toml")
+            build_run_config(_document(key, value, hint), "t.toml")
         assert f"t.toml: {key}: expected " in str(error.value) and f"got {value!r}" in str(error.value), str(error.value)
 
 

@@ -15,7 +15,8 @@ from tokenizers import Tokenizer
 from conftest import TINY, cli_in_process, losses, metrics, run_cli, sets
 from test_bad_input import fail
 from titan_async.data.prepare import prepare_tokens
-from titan_async.data.sources import DataSection, tokenizer_dir
+from titan_async.data.section import DataSection
+from titan_async.data.sources import tokenizer_dir
 from titan_async.data.token_files import open_tokens, sha256
 from titan_async.data.mixture import MixtureSchedule, MixtureState, next_sample
 from titan_async.data.packed_windows import PackedWindows
@@ -333,13 +334,12 @@ def test_missing_mixture_source_is_refused(capsys, tmp_path, prepared):
     assert err.startswith(f"titan-async: data.paths[1] = '{tmp_path / 'none'}': expected a directory with manifest.json")
 
 
-@pytest.mark.parametrize("launch", [[], ["--config", "train_configs/debug_cpu_pp2.toml", "--nproc-per-node", "2",
-                                         "--set", "parallelism.pipeline_parallel_schedule=PipeDream2BW",
-                                         "--set", "parallelism.pipeline_parallel_microbatch_size=2"]], ids=["tiny", "pp2-2bw"])
-def test_resume_across_a_stage_switch_has_the_uninterrupted_losses(capsys, tmp_path, builtin_tokenizer, launch):
-    """Weights 3:1 for steps 1-2 and 1:3 from step 3, stopped at step 2: the samples follow the
-    blending rule by hand, and the losses are those of the uninterrupted run. A resume that
-    changes the number of sources is refused."""
+def test_resume_across_a_stage_switch_has_the_uninterrupted_losses(capsys, tmp_path, builtin_tokenizer):
+    """Weights 3:1 for steps 1-2 and 1:3 from step 3, stopped at step 2, under PipeDream2BW on PP 2:
+    the samples follow the blending rule by hand, and the losses are those of the uninterrupted run.
+    A resume that changes the number of sources is refused."""
+    launch = ["--config", "train_configs/debug_cpu_pp2.toml", "--nproc-per-node", "2",
+              "--set", "parallelism.pipeline_parallel_schedule=PipeDream2BW", "--set", "parallelism.pipeline_parallel_microbatch_size=2"]
     for name, texts in (("a", [f"{text}\n# variant {i}\n" for i in range(20) for text in DOCUMENTS]),
                         ("b", [f"Lorem ipsum {i} dolor sit amet, consectetur adipiscing elit.\n" * 3 for i in range(80)])):
         prepare_tokens([str(write_jsonl(tmp_path / f"{name}.jsonl", texts))], tmp_path / name, builtin_tokenizer, workers=1, progress=False)

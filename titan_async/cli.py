@@ -454,7 +454,8 @@ def _plan(args) -> int:
 
 def _prepare(args) -> int:
     from titan_async.data.prepare import prepare_tokens
-    from titan_async.data.sources import DataSection, tokenizer_dir
+    from titan_async.data.section import DataSection
+    from titan_async.data.sources import tokenizer_dir
 
     if args.tokenizer and not (args.tokenizer / "tokenizer.json").is_file():
         raise UserError(f"--tokenizer {args.tokenizer}: expected a directory containing tokenizer.json")

@@ -129,16 +129,24 @@ RANGES: dict[str, Range] = {
     "health.inject_nonfinite_steps": COUNT,
     "health.inject_stage": at_least(0),
     "health.inject_rank": at_least(0, (-1, "every rank of the stage")),
+    "data.weights": at_least(0),
+    "data.stage_steps": at_least(0),
+    "data.stage_weights": at_least(0),
 }
 
 
 def out_of_range(key: str, value: object) -> str | None:
-    """'expected ..., got V' when `value` of dotted `key` (a number, a list of numbers, or None)
-    lies outside the key's declared range; None when it is inside or `key` has none."""
+    """'expected ..., got V' when `value` of dotted `key` (a number, a list of numbers or of such
+    lists, or None) lies outside the key's declared range; None when it is inside or `key` has none."""
     declared = RANGES.get(key)
     if declared is None or value is None:
         return None
-    for item in value if isinstance(value, list) else [value]:
+    for item in _numbers(value):
         if not declared.admits(item):
             return f"expected {declared.describe(isinstance(item, int))}, got {item!r}"
     return None
+
+
+def _numbers(value: object) -> list:
+    """The numbers of `value`: itself, or every number of its (nested) lists."""
+    return [n for item in value for n in _numbers(item)] if isinstance(value, list) else [value]

@@ -16,7 +16,7 @@ from titan_async.config.fields import closest, coerce, describe, settable_fields
 from titan_async.config.ranges import out_of_range
 from titan_async.core import platform
 from titan_async.core.errors import UserError
-from titan_async.data.sources import DataSection
+from titan_async.data.section import DataSection
 from titan_async.model.llama import ModelSection
 from titan_async.optim.lr_schedule import RunLRSchedulers
 from titan_async.optim.section import OptimizerSection

@@ -9,12 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 from titan_async.core.errors import UserError
-
-if TYPE_CHECKING:
-    from titan_async.data.sources import DataSection
+from titan_async.data.section import DataSection
 
 MIXTURE_KEYS = ("paths", "weights", "names", "stage_steps", "stage_weights", "validation_paths")
 
