@@ -312,7 +312,7 @@ def test_mixture_and_stages_in_the_global_order_resume_on_another_width(tmp_path
 
 
 @pytest.mark.parametrize("assignments, message", [
-    (["data.weights=[0.5, -0.5]"], "data.weights = [0.5, -0.5]: weights must be non-negative"),
+    (["data.weights=[0.5, -0.5]"], "--set 'data.weights=[0.5, -0.5]': data.weights: expected a number >= 0, got -0.5"),
     (["data.weights=[0, 0]"], "data.weights = [0.0, 0.0]: the weights sum to zero; give at least one source a positive weight"),
     (["data.weights=[1, 2, 3]"], "data.weights has 3 entries, data.paths has 2: give one per source"),
     (["data.names=['x']"], "data.names has 1 entries, data.paths has 2: give one per source"),

@@ -91,7 +91,5 @@ def _stages(data: DataSection, count: int) -> tuple[tuple[int, ...], tuple[tuple
 
 
 def _check_weights(key: str, weights) -> None:
-    if any(w < 0 for w in weights):
-        raise UserError(f"{key} = {list(weights)}: weights must be non-negative")
     if not sum(weights) > 0:
         raise UserError(f"{key} = {list(weights)}: the weights sum to zero; give at least one source a positive weight")
