@@ -146,10 +146,11 @@ def _token_loaders(data: DataSection, need_validation: bool) -> PreparedData:
         raise UserError("data.validation_path is required when validation.enable = true and data.source = 'tokens'")
     sources = token_sources(data, need_validation)
     tokenizer = tokenizer_dir(data, None)
+    tokenizer_sha256 = sha256(tokenizer / "tokenizer.json")
     largest = {}
     for key, path in zip(sources.keys + sources.validation_keys, sources.paths + sources.validation_paths):
         corpus = open_tokens(path, key)
-        if corpus.tokenizer_sha256 and corpus.tokenizer_sha256 != sha256(tokenizer / "tokenizer.json"):
+        if corpus.tokenizer_sha256 and corpus.tokenizer_sha256 != tokenizer_sha256:
             raise UserError(f"{key} = {path!r}: was tokenized by another tokenizer.json than data.tokenizer's "
                             f"({str(tokenizer)!r}); prepare it with that tokenizer, or set data.tokenizer to the one it used")
         if corpus.max_token_id is not None:
