@@ -4,6 +4,7 @@ windows and exact resume, the one-line refusals before launch, and a tokens run 
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 from pathlib import Path
 
@@ -202,6 +203,15 @@ def test_truncated_shard_is_refused(capsys, tmp_path, prepared):
     err = refusal(capsys, tmp_path, f"data.path={prepared}")
     assert err == (f"titan-async: data.path = '{prepared}': shard file shard-00000.tokens has {size - 2} bytes, "
                    f"the manifest says {size}; rerun titan-async prepare")
+
+
+def test_shards_of_another_tokenizer_are_refused(capsys, tmp_path, prepared, builtin_tokenizer):
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(builtin_tokenizer, other)
+    (other / "tokenizer.json").write_text((builtin_tokenizer / "tokenizer.json").read_text() + "\n")  # same ids, other file
+    err = refusal(capsys, tmp_path, f"data.path={prepared}", f"data.tokenizer={other}")
+    assert err == (f"titan-async: data.path = '{prepared}': was tokenized by another tokenizer.json than data.tokenizer's "
+                   f"('{other}'); prepare it with that tokenizer, or set data.tokenizer to the one it used")
 
 
 def test_token_id_beyond_the_vocabulary_is_refused(capsys, tmp_path, prepared):
