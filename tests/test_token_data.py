@@ -344,40 +344,6 @@ def test_missing_mixture_source_is_refused(capsys, tmp_path, prepared):
     assert err.startswith(f"titan-async: data.paths[1] = '{tmp_path / 'none'}': expected a directory with manifest.json")
 
 
-def test_resume_across_a_stage_switch_has_the_uninterrupted_losses(capsys, tmp_path, builtin_tokenizer):
-    """Weights 3:1 for steps 1-2 and 1:3 from step 3, stopped at step 2, under PipeDream2BW on PP 2:
-    the samples follow the blending rule by hand, and the losses are those of the uninterrupted run.
-    A resume that changes the number of sources is refused."""
-    launch = ["--config", "train_configs/debug_cpu_pp2.toml", "--nproc-per-node", "2",
-              "--set", "parallelism.pipeline_parallel_schedule=PipeDream2BW", "--set", "parallelism.pipeline_parallel_microbatch_size=2"]
-    for name, texts in (("a", [f"{text}\n# variant {i}\n" for i in range(20) for text in DOCUMENTS]),
-                        ("b", [f"Lorem ipsum {i} dolor sit amet, consectetur adipiscing elit.\n" * 3 for i in range(80)])):
-        prepare_tokens([str(write_jsonl(tmp_path / f"{name}.jsonl", texts))], tmp_path / name, builtin_tokenizer, workers=1, progress=False)
-    common = [*launch, *sets(*TINY, "validation.enable=false", "data.source=tokens", f"data.paths=['{tmp_path / 'a'}', '{tmp_path / 'b'}']",
-                             "data.stage_steps=[0, 2]", "data.stage_weights=[[3, 1], [1, 3]]", "lr_scheduler.total_steps=4",
-                             "checkpoint.interval=2")]
-    env = {"TITAN_ASYNC_BATCH_LOG": str(tmp_path / "batches")}
-    run_cli("train", "--run-dir", str(tmp_path / "full"), *common, *sets("training.steps=4"))
-    run_cli("train", "--run-dir", str(tmp_path / "split"), *common, *sets("training.steps=2"), env=env)
-    err = fail(capsys, "resume", "--run-dir", str(tmp_path / "split"), *sets(
-        f"data.paths=['{tmp_path / 'a'}', '{tmp_path / 'b'}', '{tmp_path / 'a'}']", "data.stage_weights=[[1, 1, 1], [1, 1, 1]]",
-        "data.names=['a', 'b', 'a2']"))
-    assert err.startswith("titan-async: data.source, data.paths: the checkpoints hold state for 'the tokens loader with 2 sources', "
-                          "resume cannot switch to 'the tokens loader with 3 sources'")
-    run_cli("resume", "--run-dir", str(tmp_path / "split"), *launch[2:4], *sets("training.steps=4"), env=env)
-    full, split = losses(tmp_path / "full"), losses(tmp_path / "split")
-    assert sorted(split) == sorted(full) == [1, 2, 3, 4]
-    assert [split[step] for step in range(1, 5)] == pytest.approx([full[step] for step in range(1, 5)], rel=1e-6)
-    reference = {}
-    for name in ("a", "b"):
-        manifest = json.loads((tmp_path / name / "manifest.json").read_text())
-        documents = [d for shard in manifest["shards"] for d in shard_documents(tmp_path / name, shard, manifest["dtype"])]
-        reference.update({tuple(inputs): f"{name}{w}" for w, (inputs, _, _) in enumerate(packed(documents, 64))})
-    rows = [row for line in (tmp_path / "batches" / "rank0.jsonl").read_text().splitlines() for row in json.loads(line)["input"]]
-    assert [reference[tuple(row)] for row in rows] == ["a0", "a1", "b0", "a2", "a3", "a4", "b1", "a5",
-                                                       "b2", "a6", "b3", "b4", "b5", "a7", "b6", "b7"]
-
-
 def test_each_source_is_validated_apart_and_reported(capsys, tmp_path, builtin_tokenizer):
     """A mixture with weights [1, 0] trains as a run on its first source alone: its validation loss per
     source is what such runs log on that source's validation data, and the report shows both."""

@@ -13,6 +13,7 @@ from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from titan_async.config.run_config import RunConfig, set_value
 from titan_async.core import platform
 from titan_async.core.errors import UserError
+from titan_async.data.batch_ramp import BatchRamp, after_ramp
 from titan_async.data.sources import prepare
 from titan_async.data.token_loader import TokenDataLoader
 from titan_async.model.hf_weights import check_hf_weights
@@ -171,11 +172,10 @@ def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncT
         validator = SourceValidator.Config(**{f.name: getattr(validator, f.name) for f in dataclasses.fields(validator)},
                                            source_names=list(data.validation_sources),
                                            source_loaders=list(data.validation_sources.values()))
-    train_loader = data.train_loader
+    train_loader, dp, training = data.train_loader, run.data_parallel_degree(world_size), after_ramp(run.training)
     if isinstance(train_loader, TokenDataLoader.Config):
-        dp = run.data_parallel_degree(world_size)
-        samples_per_step = run.training.global_batch_size if run.training.global_batch_size > 0 else run.training.local_batch_size * dp
-        train_loader = dataclasses.replace(train_loader, samples_per_step=samples_per_step)
+        ramp = BatchRamp.of(training, training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * dp)
+        train_loader = dataclasses.replace(train_loader, batch_steps=list(ramp.steps), batch_sizes=list(ramp.sizes))
     activation_checkpoint = ACTIVATION_CHECKPOINTS[run.activation_checkpoint.mode]
     try:
         return AsyncTrainer.Config(
@@ -185,10 +185,9 @@ def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncT
             loss=CrossEntropyLoss.Config(global_vocab_size=model_spec.model.vocab_size),
             dataloader=train_loader,
             validator=validator,
-            optimizer=run.optimizer.container_config(
-                pipeline_delay(run.training, run.parallelism, run.data_parallel_degree(world_size), run.microbatches())),
+            optimizer=run.optimizer.container_config(pipeline_delay(training, run.parallelism, dp, run.microbatches())),
             lr_scheduler=run.lr_scheduler,
-            training=run.training,
+            training=training,
             parallelism=with_expert_parallel_backend(run.parallelism),
             checkpoint=run.checkpoint,
             metrics=run.metrics,

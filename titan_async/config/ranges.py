@@ -84,6 +84,8 @@ RANGES: dict[str, Range] = {
     "training.gradient_delay": Range(low=0, high=16),
     "training.sync_start_steps": at_least(0),
     "training.weight_prediction": at_least(0),
+    "training.batch_ramp_steps": at_least(0),
+    "training.batch_ramp_sizes": COUNT,
     "parallelism.data_parallel_replicate_degree": COUNT,
     "parallelism.data_parallel_shard_degree": at_least(1, (-1, "the processes left over")),
     "parallelism.tensor_parallel_degree": COUNT,

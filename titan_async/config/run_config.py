@@ -16,6 +16,7 @@ from titan_async.config.fields import closest, coerce, describe, settable_fields
 from titan_async.config.ranges import out_of_range
 from titan_async.core import platform
 from titan_async.core.errors import UserError
+from titan_async.data.batch_ramp import after_ramp, check_batch_ramp
 from titan_async.data.section import DataSection
 from titan_async.model.llama import ModelSection
 from titan_async.optim.lr_schedule import RunLRSchedulers
@@ -150,8 +151,8 @@ class RunConfig:
         self._check_tensor_parallel()
         dp = self.data_parallel_degree(world_size)
         self._check_mixture_of_experts(world_size)
-        problem = check_pipeline(t, p)
-        problem = problem or check_delay(t, p, dp, self.microbatches(), self.model.family == "qwen3_moe")
+        problem = check_pipeline(t, p) or check_batch_ramp(t, p, dp)
+        problem = problem or check_delay(after_ramp(t), p, dp, self.microbatches(), self.model.family == "qwen3_moe")
         problem = problem or check_delay_rescheduling(self.lr_scheduler.delay_rescheduling_steps, t, p)
         problem = problem or check_activation_checkpoint(p, self.activation_checkpoint.mode)
         problem = problem or self.eval.check(self.checkpoint, self.model)

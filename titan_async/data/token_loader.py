@@ -3,7 +3,8 @@
 Every source is packed as torchtitan's `HuggingFaceTextDataset` packs (packed_windows.py). The run
 reads one global sequence of samples, whatever the data-parallel width: global sample g (from 0,
 over the whole run) is the next window of the source the mixture schedule draws at g's step
-(mixture.py); one source is a mixture of one. Samples are served in rounds of
+(mixture.py), the step following from the batch-size ramp (batch_ramp.py); one source is a
+mixture of one. Samples are served in rounds of
 dp_world_size x local_batch_size: in the round that starts at global sample b, data rank r gets
 samples b + r * local_batch_size ... b + (r + 1) * local_batch_size - 1 as its batch. A step takes
 whole rounds, so after every step the run has consumed a prefix of the order, and a run resumed on
@@ -21,6 +22,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
+from titan_async.data.batch_ramp import BatchRamp
 from titan_async.data.mixture import MixtureSchedule, MixtureState, next_sample
 from titan_async.data.packed_windows import PackedWindows
 from titan_async.data.token_files import open_tokens
@@ -33,7 +35,8 @@ is the same on all of them, so a checkpoint of any data-parallel width loads on 
 class TokenDataset(IterableDataset, Stateful):
     """Data rank `dp_rank`'s samples of the global order: ({"input", "positions"}, labels).
 
-    `samples_per_step` (a multiple of a round) maps samples to steps, which pick the mixture's stage.
+    `ramp` (its sizes multiples of a round; default: one round a step) maps samples to steps, which
+    pick the mixture's stage.
     With `infinite`, a source past its end starts over (same order); otherwise the data ends before
     the first round that would need a window past a source's end, on every rank alike. The state,
     the same on every rank after each batch: the next global sample, the step it falls in, and the
@@ -41,17 +44,17 @@ class TokenDataset(IterableDataset, Stateful):
     """
 
     def __init__(self, sources: list[PackedWindows], schedule: MixtureSchedule, *, dp_rank: int = 0,
-                 dp_world_size: int = 1, local_batch_size: int = 1, samples_per_step: int = 0, infinite: bool = False):
+                 dp_world_size: int = 1, local_batch_size: int = 1, ramp: BatchRamp | None = None, infinite: bool = False):
         self._sources, self._schedule = sources, schedule
         self._dp_rank, self._local_batch_size = dp_rank, local_batch_size
         self._round = dp_world_size * local_batch_size
-        self._samples_per_step = samples_per_step or self._round
+        self._ramp = ramp or BatchRamp((0,), (self._round,))
         self.infinite = infinite
         self._sample, self._step_base, self._sample_base = 0, 0, 0
         self._mixture = MixtureState(0, [0] * len(sources), [0] * len(sources))
 
     def _step_of(self, sample: int) -> int:
-        return self._step_base + (sample - self._sample_base) // self._samples_per_step
+        return self._ramp.step_of(sample, self._step_base, self._sample_base)
 
     def __iter__(self):
         while (drawn := self._next_round()) is not None:
@@ -106,8 +109,9 @@ class TokenDataLoader(ParallelAwareDataloader):
         """The first step of each stage of the mixture."""
         stage_weights: list[list[float]] = field(default_factory=lambda: [[1.0]])
         """Each stage's weight per source."""
-        samples_per_step: int = 0
-        """Global samples a step takes (the global batch size); 0: one round of the data ranks."""
+        batch_steps: list[int] = field(default_factory=list)
+        batch_sizes: list[int] = field(default_factory=list)
+        """Global samples a step takes (the batch ramp, `BatchRamp`); empty: one round of the data ranks."""
         infinite: bool = True
         """Whether to loop over the data without end."""
 
@@ -116,7 +120,8 @@ class TokenDataLoader(ParallelAwareDataloader):
         sources = [PackedWindows(open_tokens(path, key), seq_len) for path, key in zip(config.sources, config.source_keys)]
         schedule = MixtureSchedule(tuple(config.stage_steps), tuple(map(tuple, config.stage_weights)))
         dataset = TokenDataset(sources, schedule, dp_rank=dp_rank, dp_world_size=dp_world_size, local_batch_size=local_batch_size,
-                               samples_per_step=config.samples_per_step, infinite=config.infinite)
+                               ramp=BatchRamp(tuple(config.batch_steps), tuple(config.batch_sizes)) if config.batch_steps else None,
+                               infinite=config.infinite)
         super().__init__(
             dataset,
             dp_rank=dp_rank,

@@ -35,7 +35,7 @@ CLIPPING_MODES = ("per_stage", "lagged_global")
 
 @dataclass(kw_only=True, slots=True)
 class DelayTraining(TrainingConfig):
-    """torchtitan's training settings plus the delayed-gradient reference."""
+    """torchtitan's training settings plus the delayed-gradient reference and the batch-size ramp."""
 
     gradient_delay: int = 0
     """d >= 1: train without pipeline parallelism on the 2BW rule W[k+1] = W[k] - Opt(grad f(W[k-d]))
@@ -56,6 +56,13 @@ class DelayTraining(TrainingConfig):
     (`versions.PredictedVersions`);
     PACI runs a stage's forwards at W + h d (W - W_prev), d its mean delay in local steps
     (`versions.PredictedAccumulation`); 0: off."""
+    batch_ramp_steps: list[int] = field(default_factory=list)
+    """A global batch-size ramp: the steps (counted from 0, strictly increasing from 0) from which
+    the global batch is the size at the same place of batch_ramp_sizes; empty: no ramp."""
+    batch_ramp_sizes: list[int] = field(default_factory=list)
+    """The ramp's global batch sizes in sequences, one per batch_ramp_steps entry, each a multiple
+    of local_batch_size x the data-parallel degree (the local batches accumulate); the last is the
+    run's global_batch_size. The streaming schedules drain where the size changes."""
 
     def __post_init__(self) -> None:
         if self.clipping not in CLIPPING_MODES:

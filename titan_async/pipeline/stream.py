@@ -77,14 +77,15 @@ class StreamEngine:
         for executor in self.executors:
             executor.hold_updates = synchronous
         self.window = window
-        first = window * self.microbatches
+        m, p = self.microbatches, self.num_stages  # the lists are computed again later (`_run`): after a resize too
+        first = window * m
         self.loss_kwargs = loss_kwargs
         if self.drained:
             self.since = first
         since = self.since
-        losses = self._run(lambda stage: plan.window_actions(stage, self.num_stages, self.microbatches, window, since),
+        losses = self._run(lambda stage: plan.window_actions(stage, p, m, window, since),
                            dict(enumerate(microbatches, start=first)),
-                           lambda stage: plan.drain_actions(stage, self.num_stages, self.microbatches, window, since))
+                           lambda stage: plan.drain_actions(stage, p, m, window, since))
         self.drained = False
         return losses
 
@@ -94,8 +95,8 @@ class StreamEngine:
         if self.drained:
             return
         comm_log.note({"op": "drain"})
-        window, since = self.window, self.since
-        self._run(lambda stage: plan.drain_actions(stage, self.num_stages, self.microbatches, window, since), {})
+        window, since, m, p = self.window, self.since, self.microbatches, self.num_stages
+        self._run(lambda stage: plan.drain_actions(stage, p, m, window, since), {})
         for executor in self.executors:
             executor.transport.finish_sends()
         self.drained = True

@@ -49,6 +49,9 @@ class DelayedSteps:
         self.synchronous.run(data_iterator, update)
         self.delay.expose_latest(self.trainer.step)
 
+    def resize(self) -> None:
+        """torchtitan's step reads the trainer's accumulation every step; the versions count batches."""
+
     def drain(self) -> None:
         """Nothing is in flight between steps."""
 

@@ -148,6 +148,17 @@ class StreamingSteps:
         self.stream = StreamEngine(executors, len(views), m, steps)
         return policies
 
+    def resize(self) -> None:
+        """Windows of the trainer's current accumulation (`training.batch_ramp_sizes`), from the next
+        step on; called drained (`_must_drain`), so no microbatch of the previous size is in flight.
+        PipeDream2BW's delay stays what it was (`check_batch_ramp`)."""
+        config = self.trainer.config
+        m = self.trainer.gradient_accumulation_steps * microbatches(config.training, config.parallelism)
+        assert self.stream.drained and gradient_delay(self.stream.num_stages, m) == self.windows_behind
+        self.stream.microbatches = m
+        for policy, _ in self.policies.values():
+            policy.resize(m)
+
     def _reschedule_lrs(self) -> None:
         """`lr_scheduler.delay_rescheduling_steps`: each local stage's lrs divided by its own delay
         (`stage_delay`), fading out."""
@@ -247,13 +258,16 @@ class StreamingSteps:
         return norms, global_norm
 
     def _must_drain(self) -> bool:
-        """Whether the step just taken is followed by a checkpoint, validation or the end, or is
-        one of the synchronous steps of a Sync Start (no microbatch may cross their updates)."""
+        """Whether the step just taken is followed by a checkpoint, validation, the end or a new
+        batch size (`training.batch_ramp_sizes`), or is one of the synchronous steps of a Sync
+        Start (no microbatch may cross their updates)."""
         trainer = self.trainer
         step, config = trainer.step, trainer.config
         checkpoint = config.checkpoint.enable and step % config.checkpoint.interval == 0
         validation = config.validator.enable and trainer.validator.should_validate(step)
-        return step >= config.training.steps or checkpoint or validation or step <= config.training.sync_start_steps
+        ramp = trainer.batch_ramp
+        resized = ramp is not None and ramp.size_at(step) != ramp.size_at(step - 1)
+        return step >= config.training.steps or checkpoint or validation or resized or step <= config.training.sync_start_steps
 
     def run(self, data_iterator) -> None:
         """Feed batch `step - 1` into the stream and report the loss of the batch it completed.

@@ -64,6 +64,9 @@ class SynchronousSteps:
         finally:
             del trainer.optimizers.step
 
+    def resize(self) -> None:
+        """torchtitan's step reads the trainer's accumulation every step."""
+
     def drain(self) -> None:
         """Nothing is in flight between steps."""
 

@@ -33,6 +33,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from titan_async.core import comm_log
+from titan_async.data.batch_ramp import BatchRamp
 from titan_async.model.init import reinitialize_by_name
 from titan_async.optim import write_param_group_table
 from titan_async.parallel.fsdp_traffic import count_fsdp_traffic
@@ -125,6 +126,7 @@ class AsyncTrainer(Trainer):
         self.fsdp_traffic = count_fsdp_traffic(self.model_parts)
         self.save_hooks = SaveHooks(self.checkpointer)
         self.first_step_hooks: list[Callable[[], None]] = []  # called once, as the first step this process trains starts
+        self.batch_ramp = BatchRamp.of(config.training, 0) if config.training.batch_ramp_steps else None
         self.steps = self._step_runner()
         self.stop_request.behind = getattr(self.steps, "windows_behind", 1)
         keep_weight_versions(self, self.steps)
@@ -181,6 +183,8 @@ class AsyncTrainer(Trainer):
             self.first_step_hooks.pop(0)()
         comm_log.note({"op": "step", "step": self.step})
         self.metrics_processor.start_training_step()
+        if self.batch_ramp is not None:
+            self._follow_batch_ramp()
         self.steps.run(data_iterator)
         self.health.end_step()
         if self.health.exhausted():
@@ -188,6 +192,20 @@ class AsyncTrainer(Trainer):
         if self.steps.per_stage_records:
             self._record_stage_step()
         self.metrics_processor.end_training_step()
+
+    def _follow_batch_ramp(self) -> None:
+        """Accumulate the local batches of the ramp's global batch for this step (the streaming
+        schedules drained before a step whose size changes, `StreamingSteps._must_drain`)."""
+        size = self.batch_ramp.size_at(self.step - 1)
+        dims = self.parallel_dims
+        data_ranks = dims.dp_replicate * dims.dp_shard
+        accumulation = size // (self.config.training.local_batch_size * data_ranks)
+        if accumulation == self.gradient_accumulation_steps:
+            return
+        logger.info(f"Batch-size ramp: {size} sequences per step from step {self.step} "
+                    f"({accumulation} local batches per data rank)")
+        self.gradient_accumulation_steps = accumulation
+        self.steps.resize()
 
     def _stage_records(self, config: Config) -> StageRecords | None:
         """The writer of this rank's stage scalars, on the one rank per stage that writes them."""

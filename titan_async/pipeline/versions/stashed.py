@@ -47,6 +47,15 @@ class OneStepDelay:
         del self.backwards[batch]
         return batch
 
+    def resize(self, microbatches: int) -> None:
+        """Batches of `microbatches` from the next one on (a batch-size ramp). Microbatch ids are
+        window * microbatches + j, so with nothing in flight (no batch part done) every later id
+        still maps to its window's batch."""
+        assert not self.backwards, "resized with microbatches in flight"
+        self.microbatches = microbatches
+        if isinstance(nested := getattr(self, "buffers", None), OneStepDelay):
+            nested.resize(microbatches)
+
     def lr_steps_due(self) -> int:
         """Learning-rate steps owed so far: one per batch applied (counting the one being applied)."""
         return self.updates
