@@ -17,7 +17,8 @@ from conftest import TINY, cli_in_process, losses, metrics, run_cli, sets
 from test_bad_input import fail
 from titan_async.data.prepare import prepare_tokens
 from titan_async.data.section import DataSection
-from titan_async.data.sources import tokenizer_dir
+from titan_async.core.errors import UserError
+from titan_async.data.sources import prepare, tokenizer_dir
 from titan_async.data.token_files import open_tokens, sha256
 from titan_async.data.mixture import MixtureSchedule, MixtureState, next_sample
 from titan_async.data.packed_windows import PackedWindows
@@ -218,6 +219,18 @@ def test_token_id_beyond_the_vocabulary_is_refused(capsys, tmp_path, prepared):
     largest = json.loads((prepared / "manifest.json").read_text())["shards"][0]["max_token_id"]
     err = refusal(capsys, tmp_path, f"data.path={prepared}", f"model.vocab_size={largest}")
     assert err.startswith(f"titan-async: data.path = '{prepared}': holds token id {largest}, beyond the model's vocabulary of {largest}")
+
+
+def test_a_source_without_one_window_is_refused_before_launch(capsys, tmp_path):
+    prefix = write_megatron(tmp_path / "small", MEGATRON_DOCUMENTS)  # 14 tokens in 3 documents: 11 shifted
+    err = refusal(capsys, tmp_path, f"data.path={prefix}")
+    assert err == (f"titan-async: data.path = '{prefix}': holds 14 tokens in 3 documents, not one window of training.seq_len = 64 "
+                   "tokens (each document gives its length - 1); give more data or a shorter seq_len")
+    # An empty document gives no token, not -1: 8 tokens in 3 documents shift to 4 + 0 + 2 = 6, one window of 6.
+    data = prepare(DataSection(source="tokens", path=str(write_megatron(tmp_path / "empty", [[1, 2, 3, 4, 5], [], [6, 7, 8]]))), False)
+    data.check_tokens(vocab_size=16, seq_len=6)
+    with pytest.raises(UserError, match="holds 8 tokens in 3 documents, not one window of training.seq_len = 7 tokens"):
+        data.check_tokens(vocab_size=16, seq_len=7)
 
 
 def test_megatron_bad_magic_and_short_bin_are_refused(capsys, tmp_path):

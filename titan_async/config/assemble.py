@@ -164,7 +164,7 @@ def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncT
         split_stages(run.parallelism, model_spec.model, run.microbatches())
     except ValueError as err:
         raise UserError(f"{run.source}: {err}") from None
-    data.check_vocabulary(model_spec.model.vocab_size)
+    data.check_tokens(model_spec.model.vocab_size, run.training.seq_len)
     if run.checkpoint.initial_load_in_hf:
         check_hf_weights(run.checkpoint.initial_load_path, model_spec, run.source)
     validator = dataclasses.replace(run.validation, dataloader=data.validation_loader)

@@ -20,6 +20,8 @@ from titan_async.data.token_sources import MIXTURE_KEYS, token_sources
 if TYPE_CHECKING:
     from torchtitan.components.dataloader import BaseDataLoader
 
+    from titan_async.data.token_files import TokenCorpus
+
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 
 
@@ -31,17 +33,26 @@ class PreparedData:
     train_loader: BaseDataLoader.Config
     validation_loader: BaseDataLoader.Config
     tokenizer_dir: Path
-    largest_token_ids: dict[str, tuple[str, int]] = field(default_factory=dict)
-    """key -> (its value, the largest token id in that data)."""
+    token_corpora: dict[str, tuple[str, TokenCorpus]] = field(default_factory=dict)
+    """Token files: key -> (its value, the corpus it names)."""
     validation_sources: dict[str, BaseDataLoader.Config] = field(default_factory=dict)
     """A mixture's sources by name -> the loader of that source's validation data (validated apart)."""
 
-    def check_vocabulary(self, vocab_size: int) -> None:
-        """UserError naming the key whose data holds a token id the model's vocabulary lacks."""
-        for key, (path, largest) in self.largest_token_ids.items():
-            if largest >= vocab_size:
+    def check_tokens(self, vocab_size: int, seq_len: int) -> None:
+        """UserError naming the key whose token data holds an id the model's vocabulary lacks (where
+        recorded), or not one window of `seq_len` tokens."""
+        from titan_async.data.packed_windows import PackedWindows
+
+        for key, (path, corpus) in self.token_corpora.items():
+            largest = corpus.max_token_id
+            if largest is not None and largest >= vocab_size:
                 raise UserError(f"{key} = {path!r}: holds token id {largest}, beyond the model's vocabulary of {vocab_size} "
                                 "(model.vocab_size, or data.tokenizer's size); prepare it with the run's tokenizer")
+            # Each document gives its length - 1 shifted tokens: count them only where the cheap bound falls short.
+            if corpus.token_count() - len(corpus) < seq_len and not len(PackedWindows(corpus, seq_len)):
+                raise UserError(f"{key} = {path!r}: holds {corpus.token_count()} tokens in {len(corpus)} documents, not one "
+                                f"window of training.seq_len = {seq_len} tokens (each document gives its length - 1); "
+                                "give more data or a shorter seq_len")
 
 
 def text_files(pattern: str, key: str) -> tuple[str, list[str]]:
@@ -147,14 +158,13 @@ def _token_loaders(data: DataSection, need_validation: bool) -> PreparedData:
     sources = token_sources(data, need_validation)
     tokenizer = tokenizer_dir(data, None)
     tokenizer_sha256 = sha256(tokenizer / "tokenizer.json")
-    largest = {}
+    corpora = {}
     for key, path in zip(sources.keys + sources.validation_keys, sources.paths + sources.validation_paths):
         corpus = open_tokens(path, key)
         if corpus.tokenizer_sha256 and corpus.tokenizer_sha256 != tokenizer_sha256:
             raise UserError(f"{key} = {path!r}: was tokenized by another tokenizer.json than data.tokenizer's "
                             f"({str(tokenizer)!r}); prepare it with that tokenizer, or set data.tokenizer to the one it used")
-        if corpus.max_token_id is not None:
-            largest[key] = (path, corpus.max_token_id)
+        corpora[key] = (path, corpus)
     train = TokenDataLoader.Config(sources=list(sources.paths), source_keys=list(sources.keys),
                                    stage_steps=list(sources.stage_steps), stage_weights=[list(w) for w in sources.stage_weights])
     validation = TokenDataLoader.Config(sources=list(sources.validation_paths), source_keys=list(sources.validation_keys),
@@ -163,4 +173,4 @@ def _token_loaders(data: DataSection, need_validation: bool) -> PreparedData:
     if len(sources.validation_paths) > 1:
         apart = {name: TokenDataLoader.Config(sources=[path], source_keys=[key], infinite=False)
                  for name, path, key in zip(sources.names, sources.validation_paths, sources.validation_keys)}
-    return PreparedData(train, validation, tokenizer, largest, apart)
+    return PreparedData(train, validation, tokenizer, corpora, apart)

@@ -79,6 +79,10 @@ class TokenCorpus:
     def __len__(self) -> int:
         return int(self._ends[-1]) if self.parts else 0
 
+    def token_count(self) -> int:
+        """Tokens in all parts (their files' sizes; no pass over them)."""
+        return sum(len(part.tokens) for part in self.parts)
+
     def document(self, index: int) -> np.ndarray:
         part, first = self._part(index)
         return self.parts[part].document(index - first)
