@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import independent_reference as ref
-from conftest import TINY, checkpoint_weights, losses, run_cli, sets
+from conftest import TINY, checkpoint_weights, cli_in_process, losses, run_cli, sets
 from test_bad_input import fail
 from test_token_data import DOCUMENTS, packed, shard_documents, write_jsonl
 from titan_async.data.batch_ramp import BatchRamp
@@ -63,6 +63,13 @@ def test_bad_ramps_are_refused_in_one_line(capsys, tmp_path, assignments, messag
     err = fail(capsys, "train", "--run-dir", str(tmp_path / "run"), *sets(*TINY, "validation.enable=false", *assignments))
     assert err.endswith(f": {message}")
     assert not (tmp_path / "run").exists()
+
+
+def test_plan_is_of_the_batch_after_the_ramp(capsys):
+    code, out, _ = cli_in_process(capsys, "plan", "--json", "--gpus-per-node", "2", "--config", "train_configs/debug_cpu_pp2.toml",
+                                  *sets("training.seq_len=64", "training.local_batch_size=4", *RAMP))
+    assert code == 0
+    assert json.loads(out)["layout"]["tokens_per_step"] == 8 * 64
 
 
 @pytest.fixture(scope="module")

@@ -437,6 +437,7 @@ ARGUMENT_CHECKS = {"plan": _check_plan_arguments, "train": _check_train_argument
 def _plan(args) -> int:
     from titan_async.commands.plan.command import run_plan
     from titan_async.config.run_config import load_run_config
+    from titan_async.data.batch_ramp import after_ramp
 
     simulation = None
     if args.simulate:
@@ -445,6 +446,7 @@ def _plan(args) -> int:
         simulation = SimulationOptions(args.mfu, args.peak_tflops, args.intra_node_gbps, args.inter_node_gbps,
                                        args.costs_from, args.gantt)
     run = load_run_config(_config_path(args.config), args.set)
+    run.training = after_ramp(run.training)  # planned at the batch the run keeps after its ramp
     if args.gpu_counts is not None:
         from titan_async.commands.plan.command import run_advice
 
