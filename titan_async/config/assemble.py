@@ -174,7 +174,7 @@ def trainer_config(run: RunConfig, run_dir: Path, world_size: int = 1) -> AsyncT
                                            source_loaders=list(data.validation_sources.values()))
     train_loader, dp, training = data.train_loader, run.data_parallel_degree(world_size), after_ramp(run.training)
     if isinstance(train_loader, TokenDataLoader.Config):
-        ramp = BatchRamp.of(training, training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * dp)
+        ramp = BatchRamp.of(training, dp)
         train_loader = dataclasses.replace(train_loader, batch_steps=list(ramp.steps), batch_sizes=list(ramp.sizes))
     activation_checkpoint = ACTIVATION_CHECKPOINTS[run.activation_checkpoint.mode]
     try:

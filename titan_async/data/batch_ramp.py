@@ -23,10 +23,11 @@ class BatchRamp:
     sizes: tuple[int, ...]
 
     @classmethod
-    def of(cls, training: DelayTraining, constant: int) -> BatchRamp:
-        """The run's ramp; without one, `constant` sequences every step."""
+    def of(cls, training: DelayTraining, data_parallel: int) -> BatchRamp:
+        """The run's ramp; without one, its global batch every step."""
         if not training.batch_ramp_steps:
-            return cls((0,), (constant,))
+            size = training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * data_parallel
+            return cls((0,), (size,))
         return cls(tuple(training.batch_ramp_steps), tuple(training.batch_ramp_sizes))
 
     def size_at(self, step: int) -> int:

@@ -62,7 +62,7 @@ class DelayTraining(TrainingConfig):
     batch_ramp_sizes: list[int] = field(default_factory=list)
     """The ramp's global batch sizes in sequences, one per batch_ramp_steps entry, each a multiple
     of local_batch_size x the data-parallel degree (the local batches accumulate); the last is the
-    run's global_batch_size. The streaming schedules drain where the size changes."""
+    run's global_batch_size. PipeDream2BW drains where the size changes; PACI refuses a ramp."""
 
     def __post_init__(self) -> None:
         if self.clipping not in CLIPPING_MODES:

@@ -126,7 +126,8 @@ class AsyncTrainer(Trainer):
         self.fsdp_traffic = count_fsdp_traffic(self.model_parts)
         self.save_hooks = SaveHooks(self.checkpointer)
         self.first_step_hooks: list[Callable[[], None]] = []  # called once, as the first step this process trains starts
-        self.batch_ramp = BatchRamp.of(config.training, 0) if config.training.batch_ramp_steps else None
+        data_ranks = self.parallel_dims.dp_replicate * self.parallel_dims.dp_shard
+        self.batch_ramp = BatchRamp.of(config.training, data_ranks) if config.training.batch_ramp_steps else None
         self.steps = self._step_runner()
         self.stop_request.behind = getattr(self.steps, "windows_behind", 1)
         keep_weight_versions(self, self.steps)
@@ -196,10 +197,8 @@ class AsyncTrainer(Trainer):
     def _follow_batch_ramp(self) -> None:
         """Accumulate the local batches of the ramp's global batch for this step (the streaming
         schedules drained before a step whose size changes, `StreamingSteps._must_drain`)."""
-        size = self.batch_ramp.size_at(self.step - 1)
-        dims = self.parallel_dims
-        data_ranks = dims.dp_replicate * dims.dp_shard
-        accumulation = size // (self.config.training.local_batch_size * data_ranks)
+        size, dims = self.batch_ramp.size_at(self.step - 1), self.parallel_dims
+        accumulation = size // (self.config.training.local_batch_size * dims.dp_replicate * dims.dp_shard)
         if accumulation == self.gradient_accumulation_steps:
             return
         logger.info(f"Batch-size ramp: {size} sequences per step from step {self.step} "
