@@ -4,7 +4,9 @@ Both schedules under FSDP equal the independent reference (independent_reference
 test_independent_reference.py. The comparisons here are with titan-async's own references,
 `training.gradient_delay = 1` on FSDP 2 and the single-process-per-data-rank emulation, for what
 they add: torchtitan's step metrics over the data ranks, the device-time replay of the 2BW run,
-and the emulation itself (a user-facing mode); also resume, W&B and the bytes FSDP moves."""
+and the emulation itself (a user-facing mode); also W&B and the bytes FSDP moves. Resume under
+FSDP is checked against the independent reference (PACI, 2BW with weight prediction) and by
+test_replicas_and_accumulation.py (2BW's shards on a replicate mesh)."""
 
 from __future__ import annotations
 
@@ -62,15 +64,6 @@ def test_paci_with_fsdp_equals_its_emulation_with_fsdp(tmp_path):
     assert sorted(p.name for p in (emulated / "pipeline").iterdir()) == ["stage0.jsonl"]
     rows = stage_records(emulated)[0]
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and {r["rank"] for r in rows} == {0}
-
-
-@pytest.mark.parametrize("schedule", ["PipeDream2BW", "PACI"])
-def test_streaming_schedule_with_fsdp_resumes_exactly(tmp_path, schedule):
-    common = (f"parallelism.pipeline_parallel_schedule={schedule}", "parallelism.paci.accumulation=2")
-    full = train(tmp_path / "full", *common)
-    split = train(tmp_path / "split", *common, "training.steps=3")
-    run_cli("resume", "--run-dir", str(split), *sets(f"training.steps={STEPS}"))
-    assert_same_run(full, split, rel=1e-6)
 
 
 SHARED = (*TINY, "training.steps=6", "lr_scheduler.total_steps=6", "validation.enable=false", "checkpoint.enable=false")
@@ -133,13 +126,13 @@ def test_streaming_schedule_with_fsdp_trains(tmp_path, config, schedule_runs):
 
 
 def test_float8_emulated_2bw_with_fsdp_tracks_float32(tmp_path):
-    common = ("parallelism.pipeline_parallel_schedule=PipeDream2BW", "training.steps=20", "validation.enable=false",
-              "checkpoint.enable=false", "lr_scheduler.total_steps=20")
+    common = ("parallelism.pipeline_parallel_schedule=PipeDream2BW", "training.steps=10", "validation.enable=false",
+              "checkpoint.enable=false", "lr_scheduler.total_steps=10")
     full_precision = train(tmp_path / "fp32", *common)
     float8 = train(tmp_path / "fp8", *common, "model.float8=rowwise")
     assert "Swapped to Float8Linear" in (float8 / "logs" / "rank0.log").read_text()
     reference, emulated = losses(full_precision), losses(float8)
-    assert sorted(reference) == sorted(emulated) == list(range(1, 21))
+    assert sorted(reference) == sorted(emulated) == list(range(1, 11))
     for step in reference:
         assert abs(emulated[step] - reference[step]) <= 0.02 * reference[step], step
     assert emulated != reference

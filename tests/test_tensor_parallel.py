@@ -151,12 +151,6 @@ def assert_resumes_exactly(run, destination) -> None:
     assert_close_weights(final_weights(resumed), final_weights(run))
 
 
-@pytest.mark.parametrize("runs", ["two_bw", "paci"])
-def test_tensor_parallel_streaming_run_resumes_exactly(runs, request, tmp_path):
-    run = request.getfixturevalue(runs)
-    assert_resumes_exactly(run, tmp_path / "resumed")
-
-
 def test_2bw_muon_on_fsdp_times_tensor_parallel_equals_the_independent_reference(tmp_path):
     """PP 2 x FSDP 2 x TP 2 (8 processes), PipeDream2BW, Muon (each matrix gathered over the
     flattened FSDP x TP group) and error feedback, against `ref.two_bw` on both data ranks'
