@@ -20,6 +20,7 @@ from titan_async.data.section import DataSection
 from titan_async.core.errors import UserError
 from titan_async.data.sources import prepare, tokenizer_dir
 from titan_async.data.token_files import open_tokens, sha256
+from titan_async.data.batch_ramp import BatchRamp
 from titan_async.data.mixture import MixtureSchedule, MixtureState, next_sample
 from titan_async.data.packed_windows import PackedWindows
 from titan_async.data.token_loader import TokenDataLoader, TokenDataset
@@ -320,13 +321,13 @@ def test_mixture_and_stages_in_the_global_order_resume_on_another_width(tmp_path
     assert [windows(next(mixed[r]) for _ in range(2)) for r in range(2)] == [[wa[3], wa[4]], [wb[1], wa[5]]]
     # Stages of 4 samples a step: only A in step 0, only B in step 1, then 1:1 from a fresh count (A first on the tie).
     staged = dataset(*paths, seq_len=2, stage_steps=(0, 1, 2), stage_weights=((1.0, 0.0), (0.0, 1.0), (1.0, 1.0)),
-                     local_batch_size=2, samples_per_step=4, infinite=True)
+                     local_batch_size=2, ramp=BatchRamp((0,), (4,)), infinite=True)
     running = iter(staged)
     assert windows(next(running) for _ in range(4)) == [wa[0], wa[1], wa[2], wa[3]]
     state = staged.state_dict()
     assert state == {"sample": 4, "step": 1, "stage": 0, "stage_counts": [4, 0], "positions": [4, 0]}
     resumed = [dataset(*paths, seq_len=2, stage_steps=(0, 1, 2), stage_weights=((1.0, 0.0), (0.0, 1.0), (1.0, 1.0)),
-                       dp_rank=r, dp_world_size=2, local_batch_size=1, samples_per_step=4, infinite=True) for r in range(2)]
+                       dp_rank=r, dp_world_size=2, local_batch_size=1, ramp=BatchRamp((0,), (4,)), infinite=True) for r in range(2)]
     for data in resumed:
         data.load_state_dict(state)
     running = [iter(data) for data in resumed]
