@@ -58,8 +58,12 @@ SAME_ARITHMETIC = {"optimizer.implementation"}
 """Keys whose new value computes the same update (the AdamW kernels): their read-back shows them in effect."""
 
 DRIVER = """
-import json, shutil, sys
+import json, shutil, sys, time, types
 from titan_async import cli
+from titan_async.core import platform
+platform.configure()
+import torchtitan.trainer
+torchtitan.trainer.time = types.SimpleNamespace(**{**vars(time), "sleep": lambda seconds: None})  # its 2 s wait for other ranks
 statuses = []
 for copy_from, argv in json.loads(sys.argv[1]):
     if copy_from:
@@ -74,8 +78,8 @@ print(json.dumps(statuses))
 
 def _cli_in_one_process(commands: list[tuple[str | None, list[str]]]) -> None:
     """Run titan-async commands one after the other in one fresh interpreter (each start of torch
-    costs seconds); a command with a directory first copies it to its --run-dir. Fails on any
-    non-zero exit."""
+    costs seconds, and torchtitan's trainer waits 2 s at the end for other ranks: there are none);
+    a command with a directory first copies it to its --run-dir. Fails on any non-zero exit."""
     result = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(commands)], capture_output=True, text=True,
                             timeout=600, cwd=REPO, env=fresh_environment())
     statuses = json.loads(result.stdout.splitlines()[-1]) if result.returncode == 0 else None

@@ -24,14 +24,11 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-import torchtitan.trainer
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
@@ -104,20 +101,6 @@ class StopRequest:
         if len(self.pending) <= self.behind:
             return None
         return self.REASONS[int(self.pending.popleft().read()[0])]
-
-
-@contextmanager
-def _ranks_meet_at_the_end():
-    """torchtitan's rank 0 sleeps 2 s after training "for other ranks to complete"; instead every
-    rank meets at a barrier, which waits as long as the slowest rank needs (on one rank, not at all)."""
-    original = torchtitan.trainer.time
-    torchtitan.trainer.time = SimpleNamespace(**{**vars(time), "sleep": lambda seconds: None})
-    try:
-        yield
-    finally:
-        torchtitan.trainer.time = original
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 class AsyncTrainer(Trainer):
@@ -285,8 +268,7 @@ class AsyncTrainer(Trainer):
         write_param_group_table(self.optimizers, self.config.dump_folder)
         self.metrics_processor.start_display(self.config.training.steps)
         try:
-            with _ranks_meet_at_the_end():
-                super().train()
+            super().train()
             if self.benchmarks is not None:
                 self.benchmarks.finish()
         finally:
